@@ -1,0 +1,1 @@
+"""Ring attention across processes on torch.distributed."""

@@ -1,0 +1,1 @@
+"""@triton.jit code only: no torch logic here (launchers live in ``tileattn.gpu``)."""

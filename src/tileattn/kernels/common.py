@@ -1,0 +1,87 @@
+"""Jit helpers shared by every attention kernel: score modifications, masks, dropout bits.
+
+Scores are kept in log2 units inside the kernels (exp2 is the cheap instruction):
+``s2 = log2(e) * s`` where ``s`` is the natural-unit score of tileattn.reference:
+
+    s = scale * q.k;  softcap: s = cap * tanh(s / cap);  alibi: s -= slope * |i + off - j|;
+    masked (outside the window, or past the sequence's keys): s = -inf.
+
+``off = seqlen_k - seqlen_q`` aligns causal/window masks bottom-right. A window bound below
+zero means unbounded; causal is the window (left, 0) and is normalised so by the ops layer.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def tanh(x):
+    """tanh through the sigmoid, exact enough for fp32 and supported by the interpreter."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] booleans: query position q_pos[:, None] may see key k_pos[None, :]."""
+    i = q_pos[:, None] + diag_off  # [BLOCK_M, 1] the query's position on the key axis
+    j = k_pos[None, :]  # [1, BLOCK_N]
+    rel = j - i  # [BLOCK_M, BLOCK_N] key position relative to the query's diagonal
+    seen = rel == rel  # all true, to be narrowed by the active bounds
+    if MASK_N:
+        seen = seen & (j < seqlen_k)
+    if MASK_RIGHT:
+        seen = seen & (rel <= window_right)
+    if MASK_LEFT:
+        seen = seen & (rel >= -window_left)
+    return seen
+
+
+@triton.jit
+def scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+                window_left, window_right,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr):
+    """From the raw dot products ``qk`` [BLOCK_M, BLOCK_N] (fp32) to masked scores in log2 units.
+
+    With softcap, ``softcap`` is the cap and ``scale_log2`` is still ``scale * log2(e)``.
+    ``slope_log2`` is the ALiBi slope times log2(e) for this head.
+    """
+    if HAS_SOFTCAP:
+        s = tanh(qk * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
+    else:
+        s = qk * scale_log2
+    if HAS_ALIBI:
+        dist = tl.abs((q_pos[:, None] + diag_off) - k_pos[None, :]).to(tl.float32)
+        s = s - slope_log2 * dist
+    if MASK_LEFT or MASK_RIGHT or MASK_N:
+        seen = visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT, MASK_N)
+        s = tl.where(seen, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def fmix32(h):
+    """MurmurHash3's finaliser on uint32 (wrapping arithmetic); twin of tileattn.dropout_mask."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def dropout_keep(seed, bh, q_pos, k_pos, threshold):
+    """[BLOCK_M, BLOCK_N] keep-mask, bit-identical to ``tileattn.dropout_mask.keep_mask``.
+
+    ``seed`` and ``bh`` are integers (bh = batch index * nheads + query head), ``threshold``
+    is ``round(p * 2**24)``.
+    """
+    base = fmix32((seed.to(tl.uint32) + bh.to(tl.uint32) * 0x9E3779B9).to(tl.uint32))
+    row = fmix32(base ^ q_pos.to(tl.uint32))  # [BLOCK_M]
+    col = k_pos.to(tl.uint32) * 0x27D4EB2F  # [BLOCK_N]
+    bits = fmix32(row[:, None] ^ col[None, :])  # [BLOCK_M, BLOCK_N]
+    return (bits >> 8) >= threshold.to(tl.uint32)

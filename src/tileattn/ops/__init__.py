@@ -1,0 +1,1 @@
+"""One module per public capability: validate inputs, pick a backend, autograd + custom ops."""

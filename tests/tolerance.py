@@ -1,0 +1,89 @@
+"""The tolerance rule of shared/TESTING.md, and plain PyTorch attention that sets the budget.
+
+    err(fast)  = max |fast - ref64|
+    err(torch) = max |plain PyTorch attention in the same dtype - ref64|
+    pass  <=>  err(fast) <= 2 err(torch) + 1e-5   (outputs, LSE)
+               err(fast) <= 3 err(torch) + 1e-5   (gradients)
+
+NaN or inf where the oracle is finite always fails; where the oracle is -inf (the LSE of a
+row that sees no key) the fast path must give -inf too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tileattn.dropout_mask import keep_mask
+
+OUT_FACTOR = 2.0
+GRAD_FACTOR = 3.0
+SLACK = 1e-5
+
+
+def as_f64(x) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x).to(torch.float64)
+    return x.detach().to("cpu", torch.float64)
+
+
+def max_err(x, ref) -> float:
+    """max |x - ref| over the entries where ref is finite; inf if x breaks the rule there."""
+    x, ref = as_f64(x), as_f64(ref)
+    assert x.shape == ref.shape, f"shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    finite = torch.isfinite(ref)
+    if not torch.equal(x[~finite], ref[~finite]):
+        return float("inf")  # e.g. LSE must be -inf exactly where the reference's is
+    if finite.any() and not torch.isfinite(x[finite]).all():
+        return float("inf")
+    return float((x[finite] - ref[finite]).abs().max()) if finite.any() else 0.0
+
+
+def assert_within(name: str, fast, plain, ref, factor: float = OUT_FACTOR) -> None:
+    """Check ``fast`` against the float64 ``ref`` with the budget set by ``plain``."""
+    err_fast, err_plain = max_err(fast, ref), max_err(plain, ref)
+    bound = factor * err_plain + SLACK
+    assert err_fast <= bound, f"{name}: err(fast)={err_fast:.3e} > {factor}*err(torch)={err_plain:.3e} + {SLACK}"
+
+
+def plain_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+    """Textbook attention in torch, in the inputs' own dtype (no upcast): the error budget.
+
+    Layout (B, S, H, D) like flash-attn; returns (out, lse) with lse (B, H, Sq) in float32.
+    """
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = headdim**-0.5 if softmax_scale is None else softmax_scale
+    group = nheads // nheads_k
+    qt = q.transpose(1, 2)  # (B, H, Sq, D)
+    kt = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    rows = torch.arange(seqlen_q).view(-1, 1) + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes).to(torch.float32).expand(batch, nheads)
+        s = s - (slopes[:, :, None, None] * (rows - cols).abs()).to(s.dtype)
+    left, right = window_size
+    if causal:
+        right = 0
+    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if right >= 0:
+        seen &= cols <= rows + right
+    if left >= 0:
+        seen &= cols >= rows - left
+    s = s.masked_fill(~seen.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropout_p > 0:
+        z = torch.empty(batch, nheads, seqlen_q, seqlen_k)
+        r, c = torch.arange(seqlen_q), torch.arange(seqlen_k)
+        for b in range(batch):
+            for h in range(nheads):
+                z[b, h] = keep_mask(dropout_seed, b * nheads + h, r, c, dropout_p) / (1 - dropout_p)
+        p = p * z.to(p.dtype).to(p.device)
+    out = (p @ vt).transpose(1, 2)
+    return out, lse
