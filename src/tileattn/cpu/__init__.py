@@ -2,3 +2,7 @@
 
 Implements the contract of ``tileattn.ops.backend``: ``attn_fwd`` and ``attn_bwd``.
 """
+
+from .attention import attn_bwd, attn_fwd
+
+__all__ = ["attn_fwd", "attn_bwd"]

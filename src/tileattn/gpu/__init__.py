@@ -2,3 +2,8 @@
 
 Implements the contract of ``tileattn.ops.backend``: ``attn_fwd`` and ``attn_bwd``.
 """
+
+from .attention import attn_fwd
+from .backward import attn_bwd
+
+__all__ = ["attn_fwd", "attn_bwd"]

@@ -1,0 +1,54 @@
+"""The merge of partial attention states: the one function behind split-KV decoding and ring attention.
+
+Two attentions of the same queries over disjoint key sets, ``(o_a, lse_a)`` and
+``(o_b, lse_b)``, combine exactly:
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
+
+An empty state (a row that saw no key) has lse = -inf and contributes nothing; two empty
+states merge to (0, -inf), never NaN.
+
+Layouts: ``o`` is (batch, seqlen, nheads, headdim) with ``lse`` (batch, nheads, seqlen), or
+packed ``o`` (total, nheads, headdim) with ``lse`` (nheads, total) — lse's last two axes are
+o's first (query, head) axes swapped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_states", "merge_many"]
+
+
+def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse_part - lse), 0 for an empty part, laid out to broadcast against o."""
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w = torch.where(torch.isneginf(lse_part), torch.zeros_like(lse_part), torch.exp(lse_part - safe))
+    return w.transpose(-1, -2).unsqueeze(-1)
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Merge two partial states; returns ``(o, lse)`` with o in o_a's dtype and lse in fp32."""
+    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"states differ in shape: o {tuple(o_a.shape)} vs {tuple(o_b.shape)}, "
+                         f"lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}")
+    if lse_a.shape != o_a.shape[:-1][:-2] + (o_a.shape[-2], o_a.shape[-3]):
+        raise ValueError(f"lse shape {tuple(lse_a.shape)} does not match o shape {tuple(o_a.shape)}: "
+                         "expected o (..., seqlen, nheads, headdim) with lse (..., nheads, seqlen)")
+    acc = torch.promote_types(torch.float32, lse_a.dtype)
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    o = _weight(lse_a, lse) * o_a.to(acc) + _weight(lse_b, lse) * o_b.to(acc)
+    return o.to(o_a.dtype), lse
+
+
+def merge_many(outs, lses):
+    """Merge a list of partial states over disjoint key sets (all at once, fp32 accumulation)."""
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError("merge_many needs as many lse tensors as outputs, at least one")
+    acc = torch.promote_types(torch.float32, lses[0].dtype)
+    lse_all = torch.stack([x.to(acc) for x in lses])  # [S, ..., H, Sq]
+    lse = torch.logsumexp(lse_all, dim=0)
+    o = sum(_weight(l_i, lse) * o_i.to(acc) for o_i, l_i in zip(outs, lse_all))
+    return o.to(outs[0].dtype), lse
