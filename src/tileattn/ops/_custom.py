@@ -1,0 +1,110 @@
+"""The two torch.library custom ops every public function goes through.
+
+``tileattn::fwd`` computes (out, lse) for dense, packed (varlen) and KV-cache layouts;
+``tileattn::bwd`` computes (dq, dk, dv). Registering them as custom ops with fake (meta)
+implementations lets ``torch.compile(fullgraph=True)`` trace a model that uses tileattn
+without graph breaks; ``register_autograd`` wires the backward. Both dispatch by device to
+a backend (``tileattn.ops.backend``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backend import AttnParams, backend_for
+
+__all__ = ["attention", "lse_shape"]
+
+
+def lse_shape(q: Tensor, packed: bool) -> tuple[int, ...]:
+    """(batch, nheads, seqlen_q) for dense q, (nheads, total_q) for packed q."""
+    if packed:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("tileattn::fwd", mutates_args=())
+def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+         seqused_k: Optional[Tensor], block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
+         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+         softcap: float, dropout_p: float, dropout_seed: int, num_splits: int,
+         deterministic: bool) -> tuple[Tensor, Tensor]:
+    # ``deterministic`` is only read by the backward (saved in _setup_context).
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q), device=q.device)
+    params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
+    backend_for(q.device).attn_fwd(
+        q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits)
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
+              max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
+              deterministic):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("tileattn::bwd", mutates_args=())
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Optional[Tensor],
+         cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+         softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
+         dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
+    backend_for(q.device).attn_bwd(
+        dout, q, k, v, out, lse, dq, dk, dv, params=params, alibi_slopes=alibi_slopes,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic)
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+              softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+     softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.has_cache = seqused_k is not None or block_table is not None
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                   dropout_p, dropout_seed)
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dout, dlse):
+    if ctx.has_cache:
+        raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    # The gradient that reaches the LSE output (if any) is not propagated, as in flash-attn.
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *ctx.scalars,
+                      ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 15
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None,
+              num_splits=1, deterministic=False) -> tuple[Tensor, Tensor]:
+    """(out, lse) through the custom op, with autograd when inputs require grad."""
+    return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, int(max_seqlen_q),
+                int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right, params.softcap,
+                params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic))

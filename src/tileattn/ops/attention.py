@@ -1,0 +1,88 @@
+"""Dense attention with flash-attn's public functions: ``flash_attn_func`` and its packed forms.
+
+    out = softmax(scale * q k^T + masks/biases) v,   lse = logsumexp of each score row
+
+q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim);
+nheads % nheads_k == 0 (grouped-query / multi-query attention by index, no copies).
+``causal`` with seqlen_q != seqlen_k is aligned to the bottom-right corner, as flash-attn
+>= 2.1: query i sees key j iff j <= i + seqlen_k - seqlen_q. With seqlen_q = 2, seqlen_k = 5::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+and with seqlen_q = 5, seqlen_k = 2 (the first three rows see nothing: output 0, lse -inf)::
+
+    0 0
+    0 0
+    0 0
+    1 0
+    1 1
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from ._custom import attention
+from ._probs import attention_probs
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "draw_dropout_seed"]
+
+
+def draw_dropout_seed(dropout_p: float) -> int:
+    """A fresh seed for the dropout hash from torch's (CPU) default generator; 0 when off.
+
+    Seeding torch (``torch.manual_seed``) therefore makes dropout reproducible.
+    """
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Exact attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k, headdim).
+
+    Arguments as in flash-attn: ``dropout_p`` (set it to 0.0 in evaluation), ``softmax_scale``
+    (default headdim ** -0.5), ``causal`` (bottom-right aligned), ``window_size=(left, right)``
+    sliding window (-1 = unbounded), ``softcap`` (> 0: scores become softcap * tanh(s / softcap)),
+    ``alibi_slopes`` fp32 (nheads,) or (batch, nheads) adding -slope * |i + seqlen_k - seqlen_q - j|,
+    ``deterministic`` (the backward is deterministic anyway), ``return_attn_probs``.
+
+    Returns out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs`` also
+    ``(out, softmax_lse, attn_probs)``: lse (batch, nheads, seqlen_q) fp32 and the
+    probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated — an
+    O(N^2) tensor meant for tests, as in flash-attn.
+    """
+    V.check_qkv(q, k, v, packed=False)
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    if k.shape[0] != batch:
+        V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
+    params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, dropout_p=dropout_p, dropout_seed=draw_dropout_seed(dropout_p))
+    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
+                         deterministic=deterministic)
+    if return_attn_probs:
+        return out, lse, attention_probs(q, k, lse, params, alibi)
+    return out
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on qkv packed as (batch, seqlen, 3, nheads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        V.fail(ValueError, f"qkv must be (batch, seqlen, 3, nheads, headdim), got {getattr(qkv, 'shape', qkv)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with k, v packed as kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        V.fail(ValueError, f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {getattr(kv, 'shape', kv)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)

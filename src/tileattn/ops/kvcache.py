@@ -1,0 +1,128 @@
+"""Decoding and chunked prefill over a KV cache: ``flash_attn_with_kvcache``.
+
+The cache is either contiguous, k_cache (batch, seqlen_cache, nheads_k, headdim), or paged:
+a pool (num_blocks, block_size, nheads_k, headdim) read through ``block_table`` (batch,
+max_blocks) int32, where key p of sequence b lives at
+``pool[block_table[b, p // block_size], p % block_size]``. Any block_size works.
+
+``cache_seqlens`` (batch,) int32 says how many keys each sequence has. New keys and values
+``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) are written into the cache in place at
+positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1, then q attends to all
+cache_seqlens[b] + seqlen_new keys; causal is aligned bottom-right, so a q of seqlen_new
+tokens is exactly the tail of the sequence. (The caller advances cache_seqlens afterwards,
+as with flash-attn.)
+
+When batch x heads cannot fill the GPU the keys are split across thread blocks
+(flash-decoding) and the partial (o, lse) states merged; ``num_splits=0`` picks the split
+count, n > 0 forces it. No host-device synchronisation happens while a CUDA graph is
+captured, so a decoding step can be replayed from a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from ._custom import attention
+from .varlen import _check_block_table, _check_pool
+
+__all__ = ["flash_attn_with_kvcache", "append_to_cache"]
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over a (contiguous or paged) KV cache.
+
+    Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
+    (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
+    """
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by tileattn yet")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
+    batch = q.shape[0]
+    _check_pool(k_cache, v_cache, q)
+    V.check_qkv(q, k_cache, v_cache, packed=False)
+    paged = block_table is not None
+    if paged:
+        _check_block_table(block_table, batch, k_cache.shape[0], q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != batch:
+            V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
+        capacity = k_cache.shape[1]
+    cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+    if (k is None) != (v is None):
+        V.fail(ValueError, "pass both k and v to append, or neither")
+    seqused_k = cache_seqlens
+    if k is not None:
+        _check_new(k, v, k_cache, batch)
+        if V.value_checks_enabled(cache_seqlens):
+            need = int(cache_seqlens.max()) + k.shape[1] if batch else 0
+            if need > capacity:
+                V.fail(IndexError, f"appending {k.shape[1]} tokens needs room for {need} keys, the cache holds "
+                                   f"{capacity} per sequence")
+        append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        seqused_k = cache_seqlens + k.shape[1]
+    if not isinstance(num_splits, int) or num_splits < 0:
+        V.fail(ValueError, f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, dropout_p=0.0)
+    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    q = V.last_dim_contiguous(q)
+    out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                         max_seqlen_k=capacity, seqused_k=seqused_k.to(torch.int32), block_table=block_table,
+                         num_splits=num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:
+    """cache_seqlens as an int32 tensor (batch,), checked against the capacity in eager mode."""
+    if cache_seqlens is None:
+        if paged:
+            V.fail(ValueError, "a paged cache (block_table) needs cache_seqlens")
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    V.check_int32_vector("cache_seqlens", cache_seqlens, batch, device)
+    if V.value_checks_enabled(cache_seqlens) and batch:
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < 0 or hi > capacity:
+            V.fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {lo}..{hi}")
+    return cache_seqlens
+
+
+def _check_new(k, v, k_cache, batch: int) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            V.fail(ValueError, f"new {name} must be 4-D (batch, seqlen_new, nheads_k, headdim), got {getattr(t, 'shape', t)}")
+        if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+            V.fail(ValueError, f"new {name} has shape {tuple(t.shape)}; expected ({batch}, seqlen_new, "
+                               f"{k_cache.shape[2]}, {k_cache.shape[3]})")
+        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+            V.fail(TypeError, f"new {name} must match the cache's dtype and device ({k_cache.dtype}, {k_cache.device})")
+    if k.shape != v.shape:
+        V.fail(ValueError, f"new k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+    """Write k, v (batch, seqlen_new, nheads_k, headdim) into the cache at cache_seqlens, in place.
+
+    Pure tensor indexing on the device (no host synchronisation), contiguous or paged.
+    """
+    batch, seqlen_new = k.shape[0], k.shape[1]
+    pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)  # (batch, seqlen_new)
+    if block_table is None:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        block_size = k_cache.shape[1]
+        blocks = block_table.long().gather(1, pos // block_size)
+        slots = pos % block_size
+        k_cache[blocks, slots] = k
+        v_cache[blocks, slots] = v
