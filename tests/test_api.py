@@ -1,0 +1,222 @@
+"""The public flash-attn-compatible functions: results, autograd, torch.compile, bad input.
+
+Backend-level edges live in test_cpu_backend.py / test_triton_*.py; here every call goes
+through ``tileattn.flash_attn_*`` as a user's would, on the CPU path and (small shapes) on
+the Triton kernels in the interpreter.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference as R
+from tolerance import GRAD_FACTOR, as_f64, assert_within, plain_attention
+
+BACKENDS = ["cpu", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
+    return request.param
+
+
+def rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (5, 23, True), (23, 5, True), (33, 40, False)])
+def test_flash_attn_func_matches_reference(backend, dtype, sq, sk, causal):
+    gen = torch.Generator().manual_seed(sq * 100 + sk)
+    q, k, v = rand(gen, 2, sq, 4, 40, dtype=dtype), rand(gen, 2, sk, 2, 40, dtype=dtype), rand(gen, 2, sk, 2, 40, dtype=dtype)
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    ref_o, ref_lse = R.attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal)
+    plain_o, plain_lse = plain_attention(q, k, v, causal=causal)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (2, 4, sq) and lse.dtype == torch.float32
+    assert_within("out", out, plain_o, ref_o)
+    assert_within("lse", lse, plain_lse, ref_lse)
+
+
+def test_packed_forms_equal_unpacked(backend):
+    gen = torch.Generator().manual_seed(1)
+    qkv = rand(gen, 2, 19, 3, 4, 32)
+    kv = qkv[:, :, 1:]
+    base = tileattn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    assert torch.equal(tileattn.flash_attn_qkvpacked_func(qkv, causal=True), base)
+    assert torch.equal(tileattn.flash_attn_kvpacked_func(qkv[:, :, 0], kv, causal=True), base)
+
+
+def test_views_are_accepted(backend):
+    """Transposed and sliced inputs (last dim contiguous or not) give the contiguous answer."""
+    gen = torch.Generator().manual_seed(2)
+    big = rand(gen, 2, 4, 30, 64)  # (B, H, S, D) as SDPA users hold it
+    q = big.transpose(1, 2)[:, :21, :, :48]  # strided view, last dim contiguous
+    k = rand(gen, 2, 48, 21, 4).permute(0, 2, 3, 1)  # last dim NOT contiguous
+    v = rand(gen, 2, 21, 4, 48)
+    out = tileattn.flash_attn_func(q, k, v)
+    expect = tileattn.flash_attn_func(q.contiguous(), k.contiguous(), v)
+    torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
+                                                        (True, (-1, -1), 3.0, True)])
+def test_gradients_match_reference(backend, causal, window, softcap, alibi):
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16
+    q = rand(gen, 1, 21, 4, 40, dtype=dtype).requires_grad_()
+    k = rand(gen, 1, 29, 2, 40, dtype=dtype).requires_grad_()
+    v = rand(gen, 1, 29, 2, 40, dtype=dtype).requires_grad_()
+    slopes = torch.rand(4, generator=gen) if alibi else None
+    dout = rand(gen, 1, 21, 4, 40, dtype=dtype)
+    opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    out = tileattn.flash_attn_func(q, k, v, **opts)
+    out.backward(dout)
+    ref = R.attention_naive_grad(*(t.detach().double().numpy() for t in (q, k, v, dout)),
+                                 **{**opts, "alibi_slopes": None if slopes is None else slopes.double().numpy()})
+    qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    plain_attention(qp, kp, vp, **opts)[0].backward(dout)
+    for name, fast, plain, r in zip("qkv", (q.grad, k.grad, v.grad), (qp.grad, kp.grad, vp.grad), ref):
+        assert_within(f"d{name}", fast, plain, r, factor=GRAD_FACTOR)
+
+
+def test_gradcheck_float64_cpu(monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 5, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 7, 1, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 7, 1, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=True, softcap=2.0),
+                                    (q, k, v))
+
+
+def test_rows_without_keys_have_zero_output_and_gradient(backend):
+    """Causal with seqlen_q > seqlen_k: the first rows see no key (bottom-right alignment)."""
+    gen = torch.Generator().manual_seed(5)
+    q = rand(gen, 1, 9, 2, 16).requires_grad_()
+    k = rand(gen, 1, 4, 2, 16).requires_grad_()
+    v = rand(gen, 1, 4, 2, 16).requires_grad_()
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :5], torch.zeros_like(q.grad[:, :5]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_dropout_matches_reference_with_same_mask(backend):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = rand(gen, 2, 13, 2, 16), rand(gen, 2, 17, 2, 16), rand(gen, 2, 17, 2, 16)
+    torch.manual_seed(123)
+    out, lse, probs = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True)
+    torch.manual_seed(123)
+    seed = tileattn.ops.attention.draw_dropout_seed(0.25)
+    ref_o, _ = R.attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True,
+                                 dropout_p=0.25, dropout_seed=seed)
+    plain_o, _ = plain_attention(q, k, v, causal=True, dropout_p=0.25, dropout_seed=seed)
+    assert_within("out", out, plain_o, ref_o)
+    kept = (probs > 0).sum() / (probs != 0).sum()
+    assert 0.6 < float(kept) < 0.9  # ~0.75 of the visible entries survive
+    # the probabilities shown are the ones used: (kept P) / (1 - p) @ V reproduces out
+    again = (probs.clamp(min=0) / 0.75) @ v.transpose(1, 2)
+    torch.testing.assert_close(again.transpose(1, 2), out, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_fullgraph_forward_and_backward(monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    gen = torch.Generator().manual_seed(7)
+
+    def block(x, w):
+        qkv = (x @ w).view(x.shape[0], x.shape[1], 3, 2, 8)
+        return tileattn.flash_attn_qkvpacked_func(qkv, causal=True).sum()
+
+    x = torch.randn(2, 11, 16, generator=gen)
+    w = torch.randn(16, 48, generator=gen, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w)
+    loss.backward()
+    w_grad, w.grad = w.grad.clone(), None
+    block(x, w).backward()
+    torch.testing.assert_close(loss, block(x, w))
+    torch.testing.assert_close(w_grad, w.grad)
+
+
+def test_merge_states_is_exact():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = rand(gen, 1, 6, 2, 8), rand(gen, 1, 20, 2, 8), rand(gen, 1, 20, 2, 8)
+    full, lse = tileattn.flash_attn_with_kvcache(q, k, v, return_softmax_lse=True)
+    a, lse_a = tileattn.flash_attn_with_kvcache(q, k[:, :7], v[:, :7], return_softmax_lse=True)
+    b, lse_b = tileattn.flash_attn_with_kvcache(q, k[:, 7:], v[:, 7:], return_softmax_lse=True)
+    o, l = tileattn.merge_states(a, lse_a, b, lse_b)
+    torch.testing.assert_close(o, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l, lse, rtol=1e-5, atol=1e-6)
+    empty = torch.full_like(lse_a, float("-inf"))  # a state that saw no key: (0, -inf)
+    o2, l2 = tileattn.merge_states(a, lse_a, torch.zeros_like(a), empty)
+    assert torch.equal(o2, a) and torch.equal(l2, lse_a)
+    o3, l3 = tileattn.merge_states(torch.zeros_like(a), empty, torch.zeros_like(a), empty)
+    assert torch.isneginf(l3).all() and torch.equal(o3, torch.zeros_like(a))
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _qkv(dtype=torch.float16, sq=8, sk=8, h=4, hk=2, d=32):
+    return torch.randn(2, sq, h, d).to(dtype), torch.randn(2, sk, hk, d).to(dtype), torch.randn(2, sk, hk, d).to(dtype)
+
+
+@pytest.mark.parametrize("make,error,words", [
+    (lambda: (*_qkv()[:2], _qkv(torch.float32)[2]), TypeError, "share a dtype"),
+    (lambda: tuple(t.to(torch.int32) for t in _qkv()), TypeError, "not supported"),
+    (lambda: (_qkv()[0][0], *_qkv()[1:]), ValueError, "4-D"),
+    (lambda: _qkv(h=3, hk=2), ValueError, "multiple"),
+    (lambda: _qkv(d=264), ValueError, "headdim"),
+    (lambda: (_qkv()[0], _qkv(sk=9)[1], _qkv()[2]), ValueError, "one shape"),
+    (lambda: (_qkv()[0][:1], *_qkv()[1:]), ValueError, "batch"),
+    (lambda: (_qkv()[0], "k", _qkv()[2]), TypeError, "torch.Tensor"),
+])
+def test_bad_tensors_raise(make, error, words):
+    with pytest.raises(error, match=words):
+        tileattn.flash_attn_func(*make())
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(window_size=4), TypeError, "window_size"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "float32"),
+    (dict(softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"),
+])
+def test_bad_options_raise(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        tileattn.flash_attn_func(*_qkv(), **kwargs)
+
+
+def test_misspelt_option_raises():
+    with pytest.raises(TypeError):
+        tileattn.flash_attn_func(*_qkv(), casual=True)
+
+
+def test_bad_backend_variable_raises(monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="TILEATTN_BACKEND"):
+        tileattn.flash_attn_func(*_qkv())
+
+
+def test_float64_is_refused_on_the_triton_path(monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    with pytest.raises(TypeError, match="not supported"):
+        tileattn.flash_attn_func(*_qkv(torch.float64))
+
+
+def test_reference_and_fast_agree_in_float64_on_cpu(monkeypatch):
+    """float64 on the CPU path compares directly: within 1e-12 relative."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    q, k, v = _qkv(torch.float64, sq=31, sk=45)
+    out = tileattn.flash_attn_func(q, k, v, causal=True, window_size=(9, -1))
+    ref, _ = R.attention_naive(q.numpy(), k.numpy(), v.numpy(), causal=True, window_size=(9, -1))
+    assert np.abs(out.numpy() - ref).max() <= 1e-12 * np.abs(ref).max()
+    assert as_f64(out).shape == ref.shape

@@ -1,0 +1,193 @@
+"""Decoding from a KV cache: ``flash_attn_with_kvcache`` (contiguous and paged), ``PagedKVCache``."""
+
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference as R
+from tolerance import assert_within, plain_attention
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
+    return request.param
+
+
+def random_table(batch, seqlen, block_size, num_blocks, gen):
+    """A block table drawn from a random permutation of a pool larger than needed."""
+    per_seq = -(-seqlen // block_size)
+    return torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+
+
+def paged_copy(x, table, block_size, num_blocks):
+    """Scatter dense x (B, S, Hk, D) into a NaN-filled pool through ``table``."""
+    pool = torch.full((num_blocks, block_size) + x.shape[2:], float("nan"), dtype=x.dtype)
+    for b in range(x.shape[0]):
+        for p in range(x.shape[1]):
+            pool[table[b, p // block_size], p % block_size] = x[b, p]
+    return pool
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_matches_reference(backend, paged, num_splits):
+    gen = torch.Generator().manual_seed(21)
+    dtype = torch.float16
+    batch, cap, lens = 3, 48, torch.tensor([1, 37, 48], dtype=torch.int32)
+    q = torch.randn(batch, 1, 8, 64, generator=gen).to(dtype)
+    k = torch.randn(batch, cap, 2, 64, generator=gen).to(dtype)
+    v = torch.randn(batch, cap, 2, 64, generator=gen).to(dtype)
+    for b in range(batch):  # slots past each sequence's length are garbage that must not be read
+        k[b, lens[b]:] = float("nan")
+        v[b, lens[b]:] = float("nan")
+    if paged:
+        table = random_table(batch, cap, 16, 20, gen)
+        k_cache, v_cache = paged_copy(k, table, 16, 20), paged_copy(v, table, 16, 20)
+    else:
+        k_cache, v_cache, table = k, v, None
+    out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                num_splits=num_splits, return_softmax_lse=True)
+    for b in range(batch):
+        n = int(lens[b])
+        ref_o, ref_lse = R.attention_naive(q[b:b + 1].double().numpy(), k[b:b + 1, :n].double().numpy(),
+                                           v[b:b + 1, :n].double().numpy())
+        plain_o, plain_lse = plain_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        assert_within(f"lse[{b}]", lse[b:b + 1], plain_lse, ref_lse)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decoding_token_by_token_equals_prefill_rows(backend, paged):
+    """Append one token at a time (in place) with causal attention: row t of the full causal
+    prefill, for every t; the cache ends up holding exactly the keys and values."""
+    gen = torch.Generator().manual_seed(22)
+    batch, steps, dtype = 2, 19, torch.float32
+    q = torch.randn(batch, steps, 4, 32, generator=gen)
+    k = torch.randn(batch, steps, 2, 32, generator=gen)
+    v = torch.randn(batch, steps, 2, 32, generator=gen)
+    full = tileattn.flash_attn_func(q, k, v, causal=True)
+    if paged:
+        k_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype)
+        v_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype)
+        table = torch.randperm(12, generator=gen)[:10].view(2, 5).to(torch.int32)
+    else:
+        k_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype)
+        v_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype)
+        table = None
+    lens = torch.zeros(batch, dtype=torch.int32)
+    for t in range(steps):
+        step = tileattn.flash_attn_with_kvcache(q[:, t:t + 1], k_cache, v_cache, k=k[:, t:t + 1], v=v[:, t:t + 1],
+                                                cache_seqlens=lens, block_table=table, causal=True)
+        torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+        lens += 1
+    if not paged:
+        torch.testing.assert_close(k_cache[:, :steps], k, rtol=0, atol=0)
+
+
+def test_chunked_prefill_with_causal_alignment(backend):
+    """A chunk of 5 new tokens after 11 cached ones attends bottom-right aligned."""
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 16, 2, 16, generator=gen)
+    k = torch.randn(1, 16, 2, 16, generator=gen)
+    v = torch.randn(1, 16, 2, 16, generator=gen)
+    full = tileattn.flash_attn_func(q, k, v, causal=True)
+    k_cache, v_cache = torch.zeros(1, 20, 2, 16), torch.zeros(1, 20, 2, 16)
+    k_cache[:, :11], v_cache[:, :11] = k[:, :11], v[:, :11]
+    out = tileattn.flash_attn_with_kvcache(q[:, 11:], k_cache, v_cache, k=k[:, 11:], v=v[:, 11:],
+                                           cache_seqlens=torch.tensor([11], dtype=torch.int32), causal=True)
+    torch.testing.assert_close(out, full[:, 11:], rtol=1e-5, atol=1e-5)
+
+
+def test_paged_kv_cache_helper(backend):
+    """Prefill packed prompts into PagedKVCache, decode with it, free and reuse blocks."""
+    gen = torch.Generator().manual_seed(24)
+    cache = tileattn.PagedKVCache(1, num_blocks=10, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32)
+    a, b = cache.allocate(), cache.allocate()
+    lens = [6, 3]
+    k = torch.randn(sum(lens), 2, 16, generator=gen)
+    v = torch.randn(sum(lens), 2, 16, generator=gen)
+    cu = torch.tensor([0, 6, 9], dtype=torch.int32)
+    cache.reserve([a, b], 0)
+    cache.reserve([a], 6)
+    cache.reserve([b], 3)
+    cache.write_packed(0, [a, b], k, v, cu)
+    cache.advance([a], 6)
+    cache.advance([b], 3)
+    assert cache.seqlens([a, b]).tolist() == [6, 3]
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    k_new, v_new = torch.randn(2, 1, 2, 16, generator=gen), torch.randn(2, 1, 2, 16, generator=gen)
+    cache.reserve([a, b], 1)
+    out = tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], k=k_new, v=v_new,
+                                           cache_seqlens=cache.seqlens([a, b]), block_table=cache.block_table([a, b]),
+                                           causal=True)
+    cache.advance([a, b], 1)
+    for i, (s, e) in enumerate(((0, 6), (6, 9))):
+        keys = torch.cat([k[s:e], k_new[i]])[None]
+        values = torch.cat([v[s:e], v_new[i]])[None]
+        torch.testing.assert_close(out[i:i + 1], tileattn.flash_attn_func(q[i:i + 1], keys, values), rtol=1e-5,
+                                   atol=1e-5)
+    used = cache.free_blocks
+    cache.free(a)
+    assert cache.free_blocks == used + 2
+    with pytest.raises(MemoryError):
+        cache.reserve([b], 1000)
+    with pytest.raises(KeyError):
+        cache.seqlens([a])
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (lambda a: {**a, "cache_seqlens": torch.tensor([3, 9], dtype=torch.int32)}, IndexError, "capacity"),
+    (lambda a: {**a, "cache_seqlens": torch.tensor([3, 7], dtype=torch.int32), "k": a["k_new"], "v": a["k_new"]},
+     IndexError, "room"),
+    (lambda a: {**a, "cache_seqlens": torch.tensor([3, 2])}, TypeError, "int32"),
+    (lambda a: {**a, "block_table": torch.tensor([[0, 1], [2, 5]], dtype=torch.int32),
+                "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16)},
+     IndexError, "block_table"),
+    (lambda a: {**a, "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16),
+                "cache_seqlens": None}, ValueError, "cache_seqlens"),
+    (lambda a: {**a, "rotary_cos": torch.ones(8, 8)}, NotImplementedError, "rotary_cos"),
+    (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
+    (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
+])
+def test_kvcache_bad_input_raises(change, error, words):
+    args = dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.randn(2, 8, 2, 16), v_cache=torch.randn(2, 8, 2, 16),
+                cache_seqlens=torch.tensor([3, 8], dtype=torch.int32), k_new=torch.randn(2, 2, 2, 16))
+    args = change(args)
+    args.pop("k_new")
+    with pytest.raises(error, match=words):
+        tileattn.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.gpu
+def test_decode_step_replays_from_a_cuda_graph():
+    """No host-device sync inside a decoding step: capture it in a CUDA graph and replay."""
+    gen = torch.Generator(device="cuda").manual_seed(25)
+    dev, dtype = "cuda", torch.bfloat16
+    q = torch.randn(4, 1, 32, 128, device=dev, dtype=dtype, generator=gen)
+    k_cache = torch.randn(256, 16, 8, 128, device=dev, dtype=dtype, generator=gen)
+    v_cache = torch.randn(256, 16, 8, 128, device=dev, dtype=dtype, generator=gen)
+    table = torch.randperm(256, device=dev, generator=gen)[:4 * 60].view(4, 60).to(torch.int32)
+    lens = torch.tensor([1, 100, 500, 950], dtype=torch.int32, device=dev)
+    k_new = torch.randn(4, 1, 8, 128, device=dev, dtype=dtype, generator=gen)
+
+    def step():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lens,
+                                                block_table=table, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step().clone()  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
+    lens += 7  # the graph reads the new lengths on replay
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, step(), rtol=0, atol=0)
