@@ -1,0 +1,158 @@
+"""Launcher of the Triton backward kernels (``tileattn.kernels.attn_bwd``).
+
+Implements ``attn_bwd`` of the contract in ``tileattn.ops.backend``: given dO, q, k, v, the
+forward's out and lse, it writes dq, dk, dv (in their own dtype; accumulation is fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dropout_mask import keep_threshold
+from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
+
+__all__ = ["attn_bwd"]
+
+_MAX_GRID_YZ = 65535
+_PREPROCESS_BLOCK = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
+    """(resident block, streamed block, num_warps, num_stages) to try, best guess first.
+
+    dkdv keeps a key block (BLOCK_N rows of k, v, dk, dv) resident and streams query blocks,
+    dq keeps a query block resident and streams key blocks: the resident side is the large one.
+    """
+    if _interpreting():  # small tiles: the tests walk several blocks in a few hundred tokens
+        return [(32, 16, 4, 1)]
+    if head_dim_p <= 64:
+        return [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)]
+    if head_dim_p <= 128:
+        return [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3)]
+    return [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
+
+
+def _configs(kind: str, head_dims=(64, 128, 256)) -> list[triton.Config]:
+    """The configs of one kernel ("dkdv" or "dq") for the given padded head dims."""
+    resident, streamed = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
+    shapes = dict.fromkeys(s for d in head_dims for s in _shapes(d))  # ordered, no repeats
+    return [triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n) for r, s, w, n in shapes]
+
+
+def _pruner(kind: str):
+    """The autotuner's early prune: keep only the configs meant for this head dimension."""
+    def prune(configs, named_args, **kwargs):
+        wanted = {str(c) for c in _configs(kind, (named_args["HEAD_DIM_P"],))}
+        return [c for c in configs if str(c) in wanted]
+    return prune
+
+
+_TUNE_KEY = ["HEAD_DIM_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
+_dkdv_tuned = triton.autotune(_configs("dkdv"), key=_TUNE_KEY,
+                              prune_configs_by={"early_config_prune": _pruner("dkdv")})(_attn_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(_configs("dq"), key=_TUNE_KEY,
+                            prune_configs_by={"early_config_prune": _pruner("dq")})(_attn_bwd_dq_kernel)
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """Operand dtype of the matmuls: the inputs' own, except bf16 under Triton 3.6's interpreter,
+    whose tl.dot multiplies bf16 bit patterns as integers; there the operands (already rounded
+    to bf16) are widened to fp32."""
+    if dtype == torch.bfloat16 and _interpreting():
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def _rows_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (B, S, H, D) or packed (T, H, D) tensor."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _launch(kernel, fixed: triton.Config | None, grid, args: tuple, meta: dict) -> None:
+    """Run an autotuned kernel, or its plain jit function with the ``fixed`` config."""
+    if fixed is None:
+        kernel[grid](*args, **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **fixed.kwargs, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+
+
+def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+             deterministic=False) -> None:
+    """Gradients of ``sum(out * dout)`` with respect to q, k, v, written into dq, dk, dv.
+
+    Three launches: delta = rowsum(dO * O) (with lse in log2 units), then dK/dV per key block
+    and dQ per query block. The scores are recomputed from q, k and lse (no N x N buffer);
+    see ``tileattn.kernels.attn_bwd`` for the math. Every gradient element is written by exactly
+    one program, which sums in a fixed order (a shared key/value head's dk, dv too: its program
+    walks the query heads of its group one after the other), and no atomics are used. The
+    gradients are therefore bitwise reproducible run after run; ``deterministic=True`` also pins
+    the tile configuration (no autotuning), so they match across processes as well.
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    head_dim = q.shape[-1]
+    if head_dim > 256:
+        raise ValueError(f"head dimension {head_dim} > 256 is not supported")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        lse_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lse_strides = lse.stride()
+    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
+        raise ValueError(f"batch ({batch}) and nheads ({nheads}) must be at most {_MAX_GRID_YZ}")
+    if batch == 0 or seqlen_q == 0 and seqlen_k == 0:
+        return
+
+    # workspaces shaped like lse: delta = rowsum(dO * O) and lse2 = log2(e) lse (+inf if empty)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    ws_strides = (0, delta.stride(0)) if varlen else (delta.stride(0), delta.stride(1))
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    if seqlen_q > 0:
+        _attn_bwd_preprocess[(triton.cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)](
+            out, dout, lse, delta, lse2, cu_seqlens_q,
+            *_rows_strides(out, varlen), *_rows_strides(dout, varlen), *lse_strides, *ws_strides, seqlen_q,
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK, IS_VARLEN=varlen)
+
+    p = float(params.dropout_p)
+    has_alibi = alibi_slopes is not None
+    scalars = (seqlen_q, seqlen_k, nheads, float(params.softmax_scale), float(params.softcap),
+               int(params.window_left), int(params.window_right), int(params.dropout_seed) % 2**32,
+               keep_threshold(p), 1.0 / (1.0 - p) if p > 0 else 1.0)
+    meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, IS_VARLEN=varlen,
+                HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=has_alibi, HAS_DROPOUT=p > 0,
+                MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
+                DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    alibi_strides = alibi_slopes.stride() if has_alibi else (0, 0)
+    common = (cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+              *_rows_strides(q, varlen), *_rows_strides(k, varlen), *_rows_strides(v, varlen),
+              *_rows_strides(dout, varlen))
+    fixed = deterministic or _interpreting()
+    if seqlen_k > 0:
+        _launch(_dkdv_tuned, _configs("dkdv", (head_dim_p,))[0] if fixed else None,
+                lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
+                (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
+                 *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta)
+    if seqlen_q > 0:
+        _launch(_dq_tuned, _configs("dq", (head_dim_p,))[0] if fixed else None,
+                lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
+                (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
+                 *alibi_strides, *scalars), meta)
