@@ -1,0 +1,375 @@
+"""FlashAttention on the CPU: the tiled recurrence written with batched torch matmuls.
+
+Implements ``attn_fwd`` / ``attn_bwd`` of the contract in ``tileattn.ops.backend``.
+
+Work is cut into query blocks of ``block_m`` rows and key tiles of ``block_n`` keys. A
+score tile holds every query head of a chunk of (batch x key head) pairs at once: the
+``G = H // Hk`` query heads that share key head ``hk`` are stacked as rows, so one
+``bmm`` of shape ``(chunk, G * block_m, D) x (chunk, D, block_n)`` serves GQA/MQA without
+repeating K or V. Forward, per query block and key tile (natural-log units)::
+
+    s     = scale * q k^T;  softcap: s = cap * tanh(s / cap);  alibi: s -= slope * |i + off - j|
+    s     = -inf where query i does not see key j (only tiles that cross the window's edge)
+    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)
+    l     = alpha * l + rowsum(p);  o = alpha * o + (p z) v;  m = m_new
+
+with ``z = keep / (1 - dropout_p)`` the dropout scale (1 without dropout), and at the end
+``out = o / l``, ``lse = m + log l``. A row whose keys are all masked so far has ``m = -inf``; it is shifted by 0 instead (the guard), so it stays at
+``l = 0`` and ends as ``out = 0, lse = -inf`` without a NaN. Key tiles entirely outside a
+query block's window are never visited. The backward recomputes ``p = exp(s - lse)`` per
+tile and accumulates, with ``delta = rowsum(dout * out)``::
+
+    dv += (p z)^T dout;   ds = p ((dout v^T) z - delta);   softcap: ds *= 1 - tanh^2
+    dq += scale ds k;     dk += scale ds^T q
+
+in a fixed order, so gradients are bitwise reproducible. Extra memory: fp32 (fp64 for
+float64 inputs) copies of q, k, v, out-sized buffers, i.e. O(N * D), plus score tiles of
+at most ``tile_elems`` elements; never N x N.
+
+Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
+key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dropout_mask import keep_mask
+from ..ops.backend import AttnParams
+from ..ops.merge import merge_many
+
+__all__ = ["attn_fwd", "attn_bwd"]
+
+BLOCK_M = 256  # query rows per block
+BLOCK_N = 512  # keys per tile
+TILE_ELEMS = 1 << 21  # score-tile elements (chunk x G x block_m x block_n) at most
+
+
+# ------------------------------------------------------------------ sequences and views
+
+
+class _Batch:
+    """Host-side copies of the integer arguments that cut the inputs into sequences."""
+
+    def __init__(self, nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
+        self.nbatch = nbatch
+        self.cu_q = None if cu_seqlens_q is None else cu_seqlens_q.tolist()
+        self.cu_k = None if cu_seqlens_k is None else cu_seqlens_k.tolist()
+        self.used = None if seqused_k is None else seqused_k.tolist()
+        self.table = None if block_table is None else block_table.to(torch.long)
+        if self.table is not None and self.used is None:
+            raise ValueError("a paged KV cache (block_table) needs seqused_k")
+
+    def groups(self):
+        """Batch slices computed together: all at once when every sequence has the same
+        lengths (dense, no seqused_k), else one sequence at a time."""
+        if self.cu_q is None and self.used is None:
+            return [slice(0, self.nbatch)]
+        return [slice(b, b + 1) for b in range(self.nbatch)]
+
+    def rows(self, x, bs):
+        """Query-aligned tensor (B, Sq, ...) or packed (Tq, ...) -> (nb, Sq_b, ...) view."""
+        if self.cu_q is None:
+            return x[bs]
+        b = bs.start
+        return x[self.cu_q[b]:self.cu_q[b + 1]].unsqueeze(0)
+
+    def lse_rows(self, lse, bs):
+        """LSE (B, H, Sq) or packed (H, Tq) -> (nb, H, Sq_b) view."""
+        if self.cu_q is None:
+            return lse[bs]
+        b = bs.start
+        return lse[:, self.cu_q[b]:self.cu_q[b + 1]].unsqueeze(0)
+
+    def keys(self, x, bs):
+        """Key-aligned tensor -> (nb, Sk_b, Hk, D): a view, or for a paged pool a gather of
+        the blocks the table names for the used keys (other blocks are never read)."""
+        b = bs.start
+        if self.table is not None:
+            n = self.used[b]
+            pages = self.table[b, :math.ceil(n / x.shape[1])]
+            return x[pages].flatten(0, 1)[:n].unsqueeze(0)
+        if self.cu_k is not None:
+            start = self.cu_k[b]
+            n = self.used[b] if self.used is not None else self.cu_k[b + 1] - start
+            return x[start:start + n].unsqueeze(0)
+        if self.used is not None:
+            return x[bs, :self.used[b]]
+        return x[bs]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads_first(x, acc, scale=1.0):
+    """(B, S, H, D) any strides -> contiguous (B * H, S, D) in the accumulation dtype."""
+    B, S, H, D = x.shape
+    y = torch.empty((B, H, S, D), dtype=acc)
+    y.copy_(x.permute(0, 2, 1, 3))
+    if scale != 1.0:
+        y.mul_(scale)
+    return y.view(B * H, S, D)
+
+
+# --------------------------------------------------------------------- one score tile
+
+
+class _Tiles:
+    """Per-call constants and the score tile of (query block, key tile) for a group."""
+
+    def __init__(self, params: AttnParams, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems):
+        if block_m < 1 or block_n < 1:
+            raise ValueError(f"tile sizes must be >= 1, got block_m={block_m}, block_n={block_n}")
+        self.p = params
+        self.Sq, self.Sk, self.H, self.G = Sq, Sk, H, H // Hk
+        self.off = Sk - Sq
+        self.cap = params.softcap
+        # q is pre-multiplied by qscale so that bmm gives scale * q.k (or that / cap)
+        self.qscale = params.softmax_scale / self.cap if self.cap > 0 else params.softmax_scale
+        self.acc = acc
+        self.neg_slopes = None if slopes is None else (-slopes.to(acc)).reshape(-1, self.G)  # [B * Hk, G]
+        self.b0 = b0
+        self.bm, self.bn = max(1, min(block_m, Sq)), max(1, min(block_n, Sk))
+        self.chunk = max(1, tile_elems // (self.G * self.bm * self.bn))
+
+    def key_range(self, i0, i1, lo, hi):
+        """Keys in [lo, hi) that some query row of [i0, i1) may see (window bounds)."""
+        left, right = self.p.window_left, self.p.window_right
+        if right >= 0:
+            hi = min(hi, i1 - 1 + self.off + right + 1)
+        if left >= 0:
+            lo = max(lo, i0 + self.off - left)
+        return lo, hi
+
+    def needs_mask(self, i0, i1, j0, j1):
+        """Whether some (row, key) pair of the tile lies outside the window."""
+        left, right = self.p.window_left, self.p.window_right
+        return (right >= 0 and j1 - 1 > i0 + self.off + right) or (left >= 0 and j0 < i1 - 1 + self.off - left)
+
+    def scores(self, q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=False):
+        """Masked scores [c, G * rows, keys] of q_t [c, G * rows, D] against k_t [c, keys, D];
+        with ``keep_tanh`` also returns tanh(raw / cap) for the softcap derivative."""
+        s = torch.bmm(q_t, k_t.transpose(1, 2))  # [c, G*mr, n]
+        th = None
+        if self.cap > 0:
+            if keep_tanh:
+                th = s.tanh_()
+                s = th * self.cap
+            else:
+                s.tanh_().mul_(self.cap)
+        s4 = s.view(s.shape[0], self.G, i1 - i0, j1 - j0)  # [c, G, mr, n]
+        rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
+        cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
+        if self.neg_slopes is not None:
+            slopes = self.neg_slopes[t0:t0 + s.shape[0]].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
+            s4.addcmul_(slopes, (rows - cols).abs())
+        if self.needs_mask(i0, i1, j0, j1):
+            left, right = self.p.window_left, self.p.window_right
+            hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)  # [mr, n]
+            if right >= 0:
+                hidden |= cols > rows + right
+            if left >= 0:
+                hidden |= cols < rows - left
+            s4.masked_fill_(hidden, float("-inf"))
+        return s, th
+
+    def keep(self, t0, c, i0, i1, j0, j1):
+        """Dropout keep / (1 - p) as [c, G * rows, keys]; bh = batch * H + query head."""
+        rows, cols = torch.arange(i0, i1), torch.arange(j0, j1)
+        z = torch.empty(c * self.G, i1 - i0, j1 - j0, dtype=self.acc)
+        first = self.b0 * self.H + t0 * self.G  # flat (batch, query head) index of the chunk
+        for x in range(c * self.G):
+            z[x] = keep_mask(self.p.dropout_seed, first + x, rows, cols, self.p.dropout_p)
+        return z.mul_(1.0 / (1.0 - self.p.dropout_p)).view(c, -1, j1 - j0)
+
+
+def _gather_q(x, t0, t1, G, i0, i1):
+    """[B*H, S, D] buffer -> the rows [i0, i1) of chunk [t0, t1) as [c, G * rows, D]."""
+    BH, S, D = x.shape
+    return x.view(BH // G, G, S, D)[t0:t1, :, i0:i1].reshape(t1 - t0, -1, D)
+
+
+def _scatter_q(x, y, t0, t1, G, i0, i1):
+    """Inverse of :func:`_gather_q`: write y [c, G * rows, ...] into buffer x [B*H, S, ...]."""
+    BH, S = x.shape[:2]
+    x.view(BH // G, G, S, *x.shape[2:])[t0:t1, :, i0:i1] = y.view(t1 - t0, G, i1 - i0, *x.shape[2:])
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+def _split_bounds(Sk, num_splits):
+    return [round(s * Sk / num_splits) for s in range(num_splits + 1)]
+
+
+def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
+    """The recurrence over keys [lo, hi): returns (o, lse) of shape [c, G*mr, Dv], [c, G*mr]."""
+    c, t1 = q_t.shape[0], t0 + q_t.shape[0]
+    o = l = m = None
+    for j0 in range(lo, hi, T.bn):
+        j1 = min(j0 + T.bn, hi)
+        s, _ = T.scores(q_t, kc[t0:t1, j0:j1], t0, i0, i1, j0, j1)  # [c, G*mr, n]
+        m_tile = s.amax(dim=-1)  # [c, G*mr]
+        m_new = m_tile if m is None else torch.maximum(m, m_tile)
+        m_use = m_new.masked_fill(m_new.isneginf(), 0.0)  # the fully-masked guard
+        p = s.sub_(m_use.unsqueeze(-1)).exp_()
+        l_tile = p.sum(dim=-1)  # the softmax's denominator ignores dropout
+        if T.p.dropout_p > 0:
+            p.mul_(T.keep(t0, c, i0, i1, j0, j1))  # keep / (1 - dropout_p)
+        if o is None:
+            o, l = torch.bmm(p, vc[t0:t1, j0:j1]), l_tile  # [c, G*mr, Dv]
+        else:
+            alpha = (m - m_use).exp_()  # [c, G*mr]
+            l = l.mul_(alpha).add_(l_tile)
+            o = o.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vc[t0:t1, j0:j1])
+        m = m_new
+    if o is None:
+        return None
+    empty = l == 0
+    inv = torch.where(empty, 0.0, 1.0 / l)
+    lse = torch.where(empty, float("-inf"), m + l.log())
+    return o.mul_(inv.unsqueeze(-1)), lse
+
+
+def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, block_n, tile_elems):
+    """Forward for sequences of equal lengths: q4 (B, Sq, H, D), k4/v4 (B, Sk, Hk, D)."""
+    B, Sq, H, _ = q4.shape
+    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    if Sq == 0:
+        return
+    if Sk == 0:
+        out4.zero_()
+        lse3.fill_(float("-inf"))
+        return
+    acc = _acc_dtype(q4.dtype)
+    T = _Tiles(params, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems)
+    qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
+    kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
+    o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc)
+    lse_buf = torch.full((B * H, Sq), float("-inf"), dtype=acc)
+    bounds = _split_bounds(Sk, num_splits)
+    for t0 in range(0, B * Hk, T.chunk):
+        t1 = min(t0 + T.chunk, B * Hk)
+        for i0 in range(0, Sq, T.bm):
+            i1 = min(i0 + T.bm, Sq)
+            q_t = _gather_q(qc, t0, t1, T.G, i0, i1)  # [c, G*mr, D]
+            parts = []
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                part = _fwd_range(T, q_t, kc, vc, t0, i0, i1, *T.key_range(i0, i1, lo, hi))
+                if part is not None:
+                    parts.append(part)
+            if not parts:
+                continue
+            if len(parts) == 1:
+                o, lse = parts[0]
+            else:  # merge_many's layout: o (N, rows, 1, Dv) with lse (N, 1, rows)
+                o, lse = merge_many([o.view(-1, i1 - i0, 1, Dv) for o, _ in parts],
+                                    [lse.view(-1, 1, i1 - i0) for _, lse in parts])
+            _scatter_q(o_buf, o.reshape(t1 - t0, -1, Dv), t0, t1, T.G, i0, i1)
+            _scatter_q(lse_buf, lse.reshape(t1 - t0, -1), t0, t1, T.G, i0, i1)
+    out4.copy_(o_buf.view(B, H, Sq, Dv).transpose(1, 2))
+    lse3.copy_(lse_buf.view(B, H, Sq))
+
+
+def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+             seqused_k=None, block_table=None, num_splits=1,
+             block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
+    """Attention forward into ``out`` and ``lse`` (layouts: ``tileattn.ops.backend``).
+
+    ``num_splits`` > 1 runs the recurrence on that many key ranges and merges the partial
+    states with ``tileattn.ops.merge.merge_many``; 0 means 1. ``block_m``, ``block_n`` and
+    ``tile_elems`` size the tiles; any values give the same answer up to rounding.
+    """
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+    num_splits = max(1, num_splits)
+    nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
+    batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    for bs in batch.groups():
+        slopes = None if alibi_slopes is None else alibi_slopes[bs]
+        _fwd_group(batch.rows(q, bs), batch.keys(k, bs), batch.keys(v, bs), batch.rows(out, bs),
+                   batch.lse_rows(lse, bs), slopes, bs.start, params, num_splits, block_m, block_n, tile_elems)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, block_m, block_n, tile_elems):
+    """Backward for sequences of equal lengths (shapes as in :func:`_fwd_group`)."""
+    B, Sq, H, D = q4.shape
+    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    if Sq == 0 or Sk == 0:
+        dq4.zero_()
+        dk4.zero_()
+        dv4.zero_()
+        return
+    acc = _acc_dtype(q4.dtype)
+    T = _Tiles(params, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems)
+    qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
+    kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
+    doc = _heads_first(do4, acc)  # [B*H, Sq, Dv]
+    delta = (doc * _heads_first(o4, acc)).sum(dim=-1)  # [B*H, Sq]
+    lse_c = lse3.reshape(B * H, Sq).to(acc)
+    lse_c = lse_c.masked_fill(lse_c.isneginf(), float("inf"))  # rows with no key: p = 0
+    dq_buf = torch.zeros(B * H, Sq, D, dtype=acc)
+    dk_buf, dv_buf = torch.zeros(B * Hk, Sk, D, dtype=acc), torch.zeros(B * Hk, Sk, Dv, dtype=acc)
+    for t0 in range(0, B * Hk, T.chunk):
+        t1 = min(t0 + T.chunk, B * Hk)
+        for i0 in range(0, Sq, T.bm):
+            i1 = min(i0 + T.bm, Sq)
+            q_t = _gather_q(qc, t0, t1, T.G, i0, i1)  # [c, G*mr, D]
+            do_t = _gather_q(doc, t0, t1, T.G, i0, i1)  # [c, G*mr, Dv]
+            lse_t = _gather_q(lse_c.unsqueeze(-1), t0, t1, T.G, i0, i1)  # [c, G*mr, 1]
+            delta_t = _gather_q(delta.unsqueeze(-1), t0, t1, T.G, i0, i1)  # [c, G*mr, 1]
+            dq_t = torch.zeros_like(q_t)
+            lo, hi = T.key_range(i0, i1, 0, Sk)
+            for j0 in range(lo, hi, T.bn):
+                j1 = min(j0 + T.bn, hi)
+                k_t, v_t = kc[t0:t1, j0:j1], vc[t0:t1, j0:j1]  # [c, n, D]
+                s, th = T.scores(q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=True)
+                p = s.sub_(lse_t).exp_()  # [c, G*mr, n] normalised probabilities
+                dp = torch.bmm(do_t, v_t.transpose(1, 2))  # [c, G*mr, n]
+                if params.dropout_p > 0:
+                    z = T.keep(t0, t1 - t0, i0, i1, j0, j1)
+                    dv_buf[t0:t1, j0:j1].baddbmm_((p * z).transpose(1, 2), do_t)
+                    dp.mul_(z)
+                else:
+                    dv_buf[t0:t1, j0:j1].baddbmm_(p.transpose(1, 2), do_t)
+                ds = dp.sub_(delta_t).mul_(p)
+                if th is not None:
+                    ds.mul_(th.square_().neg_().add_(1.0))
+                dq_t.baddbmm_(ds, k_t)
+                dk_buf[t0:t1, j0:j1].baddbmm_(ds.transpose(1, 2), q_t)
+            _scatter_q(dq_buf, dq_t, t0, t1, T.G, i0, i1)
+    # q was multiplied by qscale: dk = scale ds^T q = (scale / qscale) ds^T (qscale q)
+    dq4.copy_(dq_buf.mul_(params.softmax_scale).view(B, H, Sq, D).transpose(1, 2))
+    dk4.copy_(dk_buf.mul_(params.softmax_scale / T.qscale).view(B, Hk, Sk, D).transpose(1, 2))
+    dv4.copy_(dv_buf.view(B, Hk, Sk, Dv).transpose(1, 2))
+
+
+def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_slopes=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+             deterministic=False, block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
+    """Gradients of ``sum(out * dout)`` into ``dq``, ``dk``, ``dv`` (layouts: ``tileattn.ops.backend``).
+
+    Always deterministic (one thread of tiles in a fixed order), so ``deterministic`` is
+    accepted and changes nothing.
+    """
+    packed = cu_seqlens_q is not None
+    if packed != (cu_seqlens_k is not None):
+        raise ValueError("attn_bwd needs cu_seqlens_q and cu_seqlens_k together")
+    nbatch = q.shape[0] if not packed else len(cu_seqlens_q) - 1
+    batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, None, None)
+    if packed:  # tokens outside every sequence get a zero gradient
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+    for bs in batch.groups():
+        slopes = None if alibi_slopes is None else alibi_slopes[bs]
+        _bwd_group(batch.rows(dout, bs), batch.rows(q, bs), batch.keys(k, bs), batch.keys(v, bs),
+                   batch.rows(out, bs), batch.lse_rows(lse, bs), batch.rows(dq, bs), batch.keys(dk, bs),
+                   batch.keys(dv, bs), slopes, bs.start, params, block_m, block_n, tile_elems)
