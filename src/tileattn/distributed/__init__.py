@@ -1,1 +1,19 @@
-"""Ring attention across processes on torch.distributed."""
+"""Ring attention across processes on torch.distributed (gloo on CPU, NCCL on GPU)."""
+
+from .ring import (
+    LAYOUTS,
+    contiguous_shard,
+    contiguous_unshard,
+    ring_flash_attn_func,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+__all__ = [
+    "ring_flash_attn_func",
+    "zigzag_shard",
+    "zigzag_unshard",
+    "contiguous_shard",
+    "contiguous_unshard",
+    "LAYOUTS",
+]
