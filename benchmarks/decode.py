@@ -1,0 +1,205 @@
+"""Decoding: one query token over a KV cache, µs and GB/s (K and V bytes read once).
+
+GQA with 32 query heads and 8 KV heads, hdim 128, bf16; batch 1 / 16 / 64, kv length
+1024 / 8192 / 32768 (every sequence full). tileattn.flash_attn_with_kvcache reads a
+contiguous cache and paged caches (block_size 16 and 256, block table a random permutation
+of a pool larger than needed, holding the same keys), each timed eagerly and replayed from
+a CUDA graph (as serving loops do; eager calls include tileattn's input checks). Beside it,
+SDPA flash and cuDNN on transposed views of the same contiguous cache, with
+``enable_gqa=True`` (or K/V repeated per query head beforehand if a backend refuses it: the
+note column says so). Every output is compared with an fp32 reference (``err``).
+
+    python benchmarks/decode.py [--quick] [--out DIR] [--dry-run] [--smoke]
+"""
+
+from __future__ import annotations
+
+import common
+
+NHEADS, NHEADS_K, HDIM = 32, 8, 128
+BLOCK_SIZES = (16, 256)
+IMPLS = ("tileattn", "tileattn·graph", "paged16", "paged16·graph", "paged256", "paged256·graph",
+         "sdpa flash", "sdpa cudnn")
+
+
+def build_cases(args) -> list[dict]:
+    if args.smoke:
+        grid = [(b, n) for b in (1, 2) for n in (100, 300)]
+    elif args.quick:
+        grid = [(1, 8192), (1, 32768), (64, 8192), (64, 32768)]
+    else:
+        grid = [(b, n) for b in (1, 16, 64) for n in (1024, 8192, 32768)]
+    return [dict(batch=b, kv_len=n, kv_bytes=2 * b * n * NHEADS_K * HDIM * 2) for b, n in grid]
+
+
+def paged_copy(k_cache, v_cache, block_size: int):
+    """The same keys in a shuffled block pool: (k_pool, v_pool, block_table int32)."""
+    import torch
+
+    batch, n = k_cache.shape[:2]
+    nblocks = -(-n // block_size)
+    pool = batch * nblocks + batch * nblocks // 8 + 1  # more blocks than needed, like a real pool
+    table = torch.randperm(pool, device=k_cache.device)[: batch * nblocks].view(batch, nblocks).to(torch.int32)
+    pools = []
+    for cache in (k_cache, v_cache):
+        p = torch.full((pool, block_size, *cache.shape[2:]), float("nan"), dtype=cache.dtype, device=cache.device)
+        padded = torch.zeros((batch, nblocks * block_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+        padded[:, :n] = cache
+        p[table.long().flatten()] = padded.view(batch * nblocks, block_size, *cache.shape[2:])
+        pools.append(p)
+    return pools[0], pools[1], table
+
+
+def reference(q, k_cache, v_cache):
+    """fp32 softmax(q kᵀ/√d) v per sequence, query head h reading KV head h // 4."""
+    import torch
+
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    group = NHEADS // NHEADS_K
+    for b in range(q.shape[0]):
+        qb = q[b, 0].float().view(NHEADS_K, group, HDIM)  # [Hk, G, D]
+        kb, vb = k_cache[b].float().transpose(0, 1), v_cache[b].float().transpose(0, 1)  # [Hk, N, D]
+        p = torch.softmax(qb @ kb.transpose(1, 2) / HDIM**0.5, dim=-1)  # [Hk, G, N]
+        out[b, 0] = (p @ vb).reshape(NHEADS, HDIM)
+    return out
+
+
+def sdpa_fn(backend_name: str, q, k_cache, v_cache):
+    """(fn, note): SDPA decoding on (B, H, S, D) views; GQA natively or with K/V repeated."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+
+    def native():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+    _, err = common.attempt(native)
+    if not err:
+        return native, "enable_gqa"
+    kr = kt.repeat_interleave(NHEADS // NHEADS_K, dim=1)
+    vr = vt.repeat_interleave(NHEADS // NHEADS_K, dim=1)
+
+    def repeated():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kr, vr).transpose(1, 2)
+
+    return repeated, f"K/V repeated ×{NHEADS // NHEADS_K} (enable_gqa failed: {err[:60]})"
+
+
+def run_case(case: dict, args, dtype) -> list[dict]:
+    import torch
+
+    dev, (b, n) = args.device, (case["batch"], case["kv_len"])
+    g = torch.Generator(device=dev).manual_seed(b * 100003 + n)
+    q = torch.randn(b, 1, NHEADS, HDIM, device=dev, dtype=dtype, generator=g)
+    k_cache, v_cache = (torch.randn(b, n, NHEADS_K, HDIM, device=dev, dtype=dtype, generator=g) for _ in range(2))
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    ref = reference(q, k_cache, v_cache)
+    rows = []
+
+    def record(name, fn, note="", captured=None):
+        """Time ``fn`` (None: it could not be built, ``note`` says why) and check its output
+        (a graph replay returns nothing: ``captured`` is the output tensor it writes)."""
+        out, err, ms = None, note, None
+        if fn is not None:
+            out, err = common.attempt(fn)
+            out = captured if captured is not None else out
+        if out is not None:
+            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3))
+        bw = common.gbs(case["kv_bytes"], ms)
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, us=ms and ms * 1e3, gbs=bw,
+                         pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS,
+                         err=None if out is None else (out.float() - ref).abs().max().item(), note=err or note))
+
+    def tile(kc, vc, table):
+        import tileattn
+
+        return lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+
+    def layouts():
+        yield "tileattn", k_cache, v_cache, None
+        for bs in BLOCK_SIZES:
+            yield (f"paged{bs}", *paged_copy(k_cache, v_cache, bs))
+
+    for name, kc, vc, table in layouts():
+        fn = tile(kc, vc, table)
+        record(name, fn)
+        graph, err = common.attempt(lambda: common.cuda_graph(fn))
+        replay, captured = graph if graph is not None else (None, None)
+        record(f"{name}·graph", replay, err, captured)
+        del kc, vc, table, fn, graph, replay, captured
+        common.free_cuda()
+    for backend in ("flash", "cudnn"):
+        made, err = common.attempt(lambda: sdpa_fn(backend, q, k_cache, v_cache))
+        fn, note = made if made is not None else (None, err)
+        record(f"sdpa {backend}", fn, note)
+    common.free_cuda()
+    return rows
+
+
+def tables(cases, rows) -> None:
+    by = {(r["batch"], r["kv_len"], r["impl"]): r for r in rows}
+    body_us, body_pct = [], []
+    for c in cases:
+        key = [c["batch"], c["kv_len"], common.fmt(c["kv_bytes"] / 2**20)]
+        cells = [by.get((c["batch"], c["kv_len"], name)) for name in IMPLS]
+        body_us.append(key + [f"{common.fmt(r['us'])} ({common.fmt(r['gbs'], 0)})" if r else "–" for r in cells])
+        body_pct.append(key + [common.fmt(r["pct_hbm"], 0) if r else "–" for r in cells])
+    header = ["batch", "kv len", "K+V MB", *IMPLS]
+    common.print_table("Decoding: µs (GB/s), K+V bytes read once", header, body_us)
+    common.print_table(f"Decoding: % of {common.HBM_PEAK_GBS / 1000:.1f} TB/s", header, body_pct)
+    worst = max((r["err"] for r in rows if r["err"] is not None), default=None)
+    print(f"largest |out − fp32 reference| over all outputs: {common.fmt(worst, 4)}")
+    common.print_notes(rows)
+
+
+def plot(cases, rows, path, env, ceilings) -> None:
+    fig, axes = common.new_figure(1, 1, width=12, height=4)
+    ax = axes[0][0]
+    width = 0.8 / len(IMPLS)
+    for i, name in enumerate(IMPLS):
+        ys = [common.nan(next((r["gbs"] for r in rows if r["impl"] == name and r["batch"] == c["batch"]
+                               and r["kv_len"] == c["kv_len"]), None)) for c in cases]
+        ax.bar([j + i * width for j in range(len(cases))], ys, width, label=name)
+    ax.axhline(common.HBM_PEAK_GBS, color="k", ls="--", lw=1, label="HBM datasheet")
+    if ceilings.get("copy_gbs"):
+        ax.axhline(ceilings["copy_gbs"], color="gray", ls=":", lw=1, label="measured copy")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"b{c['batch']}\n{c['kv_len']}" for c in cases], fontsize=8)
+    ax.set_ylabel("GB/s (K+V once)")
+    ax.legend(fontsize=7, ncol=3)
+    common.save_figure(fig, path, f"decode GQA 32/8 hdim 128 · {env['device']} · torch {env['torch']} · triton {env['triton']}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    cases = build_cases(args)
+    if args.dry_run:
+        common.print_table("decode cases", ["batch", "kv len", "K+V MB", "µs at 4.8 TB/s"],
+                           [[c["batch"], c["kv_len"], common.fmt(c["kv_bytes"] / 2**20),
+                             common.fmt(c["kv_bytes"] / (common.HBM_PEAK_GBS * 1e3))] for c in cases])
+        return
+    import torch
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    env = common.env_info(args.device)
+    ceilings = common.measure_ceilings(args.device)
+    common.print_env(env, ceilings)
+    env.update(ceilings)
+    rows = []
+    for c in cases:
+        rows += run_case(c, args, dtype)
+        print(f"  batch {c['batch']} kv {c['kv_len']}: " + ", ".join(
+            f"{r['impl']} {common.fmt(r['us'])}µs" for r in rows[-len(IMPLS):]), flush=True)
+        common.write_csv(f"{args.out}/decode.csv", rows, env, quiet=True)
+    tables(cases, rows)
+    common.write_csv(f"{args.out}/decode.csv", rows, env)
+    plot(cases, rows, f"{args.out}/decode.png", env, ceilings)
+
+
+if __name__ == "__main__":
+    main()

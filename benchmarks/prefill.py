@@ -1,0 +1,220 @@
+"""Prefill (training-shape) attention: forward and forward+backward TFLOP/s, and extra memory.
+
+Shapes as in the FlashAttention papers and the anchors of docs/benchmarks.md:
+batch·seqlen = 16384 tokens, nheads·hdim = 2048, seqlen 512 / 2048 / 8192 / 16384,
+hdim 64 and 128, causal and not, bf16. tileattn.flash_attn_func runs beside torch SDPA with each backend forced (flash, cuDNN,
+efficient) and FlexAttention (torch.compile; causal through a block mask), on the same
+tensors: SDPA and Flex take transposed (B, H, S, D) views of tileattn's (B, S, H, D) data.
+
+FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
+seqlen 8192 (``--flex-seqlens`` changes that; ``--quick`` skips it).
+
+    python benchmarks/prefill.py [--quick] [--out DIR] [--dry-run] [--smoke]
+"""
+
+from __future__ import annotations
+
+import common
+
+IMPLS = ("tileattn", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex")
+TOKENS, WIDTH = 16384, 2048
+
+
+def add_args(p) -> None:
+    p.add_argument("--flex-seqlens", default="8192",
+                   help="comma-separated seqlens at which FlexAttention runs ('' for none; default 8192)")
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+
+
+def build_cases(args) -> list[dict]:
+    """One dict per shape: hdim, causal, seqlen, batch, nheads, fwd FLOPs."""
+    if args.smoke:
+        grid = [(64, c, s, 1, 2) for c in (False, True) for s in (128, 256)]
+    else:
+        hdims, seqlens = ((128,), (2048, 16384)) if args.quick else ((128, 64), (512, 2048, 8192, 16384))
+        grid = [(d, c, s, TOKENS // s, WIDTH // d) for d in hdims for c in (False, True) for s in seqlens]
+    return [dict(hdim=d, causal=c, seqlen=s, batch=b, nheads=h, flops=common.attn_flops(b, h, s, s, d, c))
+            for d, c, s, b, h in grid]
+
+
+def make_impl(name: str, causal: bool, seqlen: int, device: str):
+    """A function (q, k, v) -> out on (B, S, H, D) tensors, for implementation ``name``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "tileattn":
+        import tileattn
+
+        return lambda q, k, v: tileattn.flash_attn_func(q, k, v, causal=causal)
+    if name.startswith("sdpa"):
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[name.split()[1]]
+
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=causal)
+            return o.transpose(1, 2)
+
+        return sdpa
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = common.compiled_flex()
+        mask = None
+        if causal:
+            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seqlen, seqlen, device=device)
+
+        def run(q, k, v):
+            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask).transpose(1, 2)
+
+        return run
+    raise ValueError(name)
+
+
+def inputs(case: dict, device: str, dtype):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(case["seqlen"] + case["hdim"])
+    shape = (case["batch"], case["seqlen"], case["nheads"], case["hdim"])
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    return q, k, v, dout
+
+
+def time_case(case: dict, name: str, args, dtype) -> dict:
+    """Forward and forward+backward milliseconds of one implementation on one shape."""
+    row = {"table": "speed", **{k: case[k] for k in ("hdim", "causal", "seqlen", "batch", "nheads")}, "impl": name}
+    q, k, v, dout = inputs(case, args.device, dtype)
+    fn, note = common.attempt(lambda: make_impl(name, case["causal"], case["seqlen"], args.device))
+    fwd = fwdbwd = None
+    if fn is not None:
+        fwd, note = common.attempt(lambda: common.bench(lambda: fn(q, k, v), args.device, cpu_reps=2))
+    if fwd is not None and not args.no_backward:
+        fwdbwd, note = common.attempt(lambda: common.bench(lambda: fn(q, k, v).backward(dout), args.device,
+                                                            grad_to_none=[q, k, v], cpu_reps=2))
+    row.update(fwd_ms=fwd, fwd_tflops=common.tflops(case["flops"], fwd), fwdbwd_ms=fwdbwd,
+               bwd_tflops=common.bwd_tflops(case["flops"], fwd, fwdbwd), note=note)
+    del q, k, v, dout
+    common.free_cuda()
+    return row
+
+
+def memory_case(case: dict, name: str, args, dtype) -> dict:
+    """Peak GPU memory beyond q, k, v, dout, out (and dq, dk, dv after backward), in MB."""
+    import torch
+
+    row = {"table": "memory", **{k: case[k] for k in ("hdim", "causal", "seqlen", "batch", "nheads")}, "impl": name,
+           "naive_scores_mb": case["batch"] * case["nheads"] * case["seqlen"] ** 2 * 4 / 2**20}
+
+    def measure():
+        q, k, v, dout = inputs(case, args.device, dtype)
+        fn = make_impl(name, case["causal"], case["seqlen"], args.device)
+        fn(q, k, v).backward(dout)  # warm-up: autotuning and workspace allocation happen here
+        q.grad = k.grad = v.grad = None
+        common.free_cuda()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn(q, k, v)
+        torch.cuda.synchronize()
+        fwd_extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        out.backward(dout)
+        torch.cuda.synchronize()
+        bwd_extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size() - 3 * q.numel() * q.element_size()
+        return fwd_extra / 2**20, bwd_extra / 2**20
+
+    res, note = common.attempt(measure)
+    row.update(extra_fwd_mb=res and res[0], extra_fwdbwd_mb=res and res[1], note=note)
+    common.free_cuda()
+    return row
+
+
+def speed_table(cases, rows, ceilings) -> None:
+    """The anchors' layout: one line per shape, 'fwd / bwd' TFLOP/s per implementation."""
+    by = {(r["hdim"], r["causal"], r["seqlen"], r["impl"]): r for r in rows if r["table"] == "speed"}
+    body = []
+    for c in cases:
+        cells = []
+        for name in IMPLS:
+            r = by.get((c["hdim"], c["causal"], c["seqlen"], name))
+            cells.append("–" if r is None else f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])}")
+        body.append([c["hdim"], "yes" if c["causal"] else "no", c["seqlen"], f"{c['batch']}×{c['nheads']}", *cells])
+    cap = None if not ceilings.get("matmul_tflops") else f"bf16 matmul ceiling {ceilings['matmul_tflops']:.0f} TFLOP/s"
+    common.print_table("Prefill TFLOP/s, forward / backward (backward = 2.5×fwd FLOPs / (fwd+bwd − fwd))",
+                       ["hdim", "causal", "seqlen", "b×h", *IMPLS], body, caption=cap)
+
+
+def memory_table(rows) -> None:
+    mem = [r for r in rows if r["table"] == "memory"]
+    if mem:
+        common.print_table("Peak memory beyond inputs/outputs (MB)",
+                           ["hdim", "seqlen", "impl", "fwd", "fwd+bwd", "naive fp32 scores"],
+                           [[r["hdim"], r["seqlen"], r["impl"], common.fmt(r["extra_fwd_mb"], 1),
+                             common.fmt(r["extra_fwdbwd_mb"], 1), common.fmt(r["naive_scores_mb"])] for r in mem])
+
+
+def plot(cases, rows, path, env) -> None:
+    keys = sorted({(c["hdim"], c["causal"]) for c in cases})
+    fig, axes = common.new_figure(len(keys), 2)
+    for j, (d, causal) in enumerate(keys):
+        for i, (metric, label) in enumerate((("fwd_tflops", "forward"), ("bwd_tflops", "backward"))):
+            ax = axes[i][j]
+            for name in IMPLS:
+                pts = sorted((r["seqlen"], common.nan(r[metric])) for r in rows
+                             if r["table"] == "speed" and r["impl"] == name and r["hdim"] == d and r["causal"] == causal)
+                if pts and any(y == y for _, y in pts):
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{label}, hdim {d}, {'causal' if causal else 'full'}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    common.save_figure(fig, path, f"prefill bf16 · {env['device']} · torch {env['torch']} · triton {env['triton']}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], add_args)
+    cases = build_cases(args)
+    flex_at = {int(s) for s in args.flex_seqlens.split(",") if s.strip()} if not args.quick else set()
+    if args.smoke:
+        flex_at = {256}
+    if args.dry_run:
+        common.print_table("prefill cases", ["hdim", "causal", "seqlen", "batch", "nheads", "fwd GFLOP", "flex"],
+                           [[c["hdim"], c["causal"], c["seqlen"], c["batch"], c["nheads"], common.fmt(c["flops"] / 1e9),
+                             c["seqlen"] in flex_at] for c in cases])
+        return
+    import torch
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    env = common.env_info(args.device)
+    ceilings = common.measure_ceilings(args.device)
+    common.print_env(env, ceilings)
+    env.update(ceilings)
+    rows = []
+    for c in cases:
+        for name in IMPLS:
+            if name == "flex" and c["seqlen"] not in flex_at:
+                continue
+            rows.append(time_case(c, name, args, dtype))
+            r = rows[-1]
+            print(f"  hdim {c['hdim']} causal {c['causal']} seqlen {c['seqlen']} {name}: "
+                  f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s", flush=True)
+            common.write_csv(f"{args.out}/prefill.csv", rows, env, quiet=True)
+    if args.device.startswith("cuda"):
+        longest = max(c["seqlen"] for c in cases)
+        for c in cases:
+            if c["seqlen"] == longest and not c["causal"]:
+                rows += [memory_case(c, name, args, dtype) for name in ("tileattn", "sdpa flash")]
+    speed_table(cases, rows, ceilings)
+    memory_table(rows)
+    common.print_notes(rows)
+    common.write_csv(f"{args.out}/prefill.csv", rows, env)
+    plot(cases, rows, f"{args.out}/prefill.png", env)
+
+
+if __name__ == "__main__":
+    main()
