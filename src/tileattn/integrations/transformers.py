@@ -1,0 +1,175 @@
+"""``attn_implementation="tileattn"`` for Hugging Face transformers models.
+
+    import tileattn.integrations.transformers          # registers "tileattn" (or call register())
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tileattn")
+    model.set_attn_implementation("tileattn")         # or switch an existing model
+
+Every model whose attention layers call transformers' attention-function registry (Llama,
+Mistral, Qwen2, Gemma 2 and most recent decoders) then computes
+
+    out = softmax(scaling * q k^T [softcapped] + causal/sliding-window/padding masks) v
+
+with tileattn, in training (dropout included) and in ``generate()`` with transformers' own
+KV caches. What the layer hands over, and what tileattn does with it:
+
+* query (batch, nheads, seqlen_q, headdim), key/value (batch, nheads_k, seqlen_k, headdim),
+  the K/V heads not repeated: tileattn reads grouped heads by index (GQA, MQA).
+* ``is_causal`` (or ``module.is_causal``): causal aligned bottom-right, so the seqlen_q new
+  tokens are the tail of seqlen_k cached + new keys.
+* ``sliding_window`` w: query at position p sees keys p - w + 1 ... p, i.e.
+  ``window_size=(w - 1, w - 1)`` (the right bound is cut to 0 by causal), as flash-attn.
+* ``attention_mask``: tileattn registers a mask function too, so the model hands over the
+  2-D padding mask (batch, seqlen_k) — or None when nothing is padded. Padded batches are
+  unpacked with it (``flash_attn_varlen_func`` over the real tokens only) and re-padded;
+  padded query rows come back as zeros. (Any extra pattern transformers would overlay on a
+  4-D mask — image-token blocks, chunked attention — is not represented: flash-attn does the
+  same.) A 4-D mask passed by the user is refused with an error.
+* packed batches without padding (one row holding several sequences): the
+  ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
+  ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
+
+Host synchronisation: the dense path (no padding) never reads tensor values, so a
+``torch.compile(fullgraph=True)``-d model traces through it. Unpadding and finding packed
+sequences in ``position_ids`` must read the mask (data-dependent shapes), as flash-attn's
+transformers path does.
+
+Needs a transformers with ``AttentionInterface`` and ``masking_utils.AttentionMaskInterface``
+(the registries of transformers 4.53 and later, all of 5.x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.attention import flash_attn_func
+from ..ops.varlen import flash_attn_varlen_func
+
+__all__ = ["NAME", "register", "tileattn_attention_forward", "tileattn_mask"]
+
+NAME = "tileattn"
+
+
+def register() -> None:
+    """Register ``"tileattn"`` with transformers' attention and mask registries (idempotent)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as err:
+        raise ImportError(
+            "tileattn's transformers integration needs transformers with AttentionInterface and "
+            "masking_utils.AttentionMaskInterface (4.53 or later): pip install 'transformers>=4.53'"
+        ) from err
+    AttentionInterface.register(NAME, tileattn_attention_forward)
+    AttentionMaskInterface.register(NAME, tileattn_mask)
+
+
+def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask transformers hands to every "tileattn" layer: the 2-D padding mask, or None.
+
+    ``attention_mask`` (batch, seen + q_length) bool marks real tokens. Its last ``kv_length``
+    columns are the keys of this forward (a sliding-window cache keeps only the newest ones).
+    None when every key is real (checked in eager mode only: under torch.compile the mask is
+    kept, since reading it would break the graph).
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if (not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length
+            and bool(attention_mask.all())):
+        return None
+    return attention_mask
+
+
+def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                               scaling: float | None = None, sliding_window: int | None = None,
+                               softcap: float | None = None, is_causal: bool | None = None,
+                               s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; returns (out (batch, seqlen_q, nheads, headdim), None).
+
+    query (batch, nheads, seqlen_q, headdim), key/value (batch, nheads_k, seqlen_k, headdim).
+    ``kwargs`` carries what the model passes along (position_ids, cache details, ...); the
+    ones tileattn reads are ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` and
+    ``output_attentions`` (refused: the probabilities are never formed).
+    """
+    if s_aux is not None:
+        raise NotImplementedError("tileattn: attention sinks (s_aux) are not supported")
+    if kwargs.get("output_attentions"):
+        raise ValueError("tileattn never forms the attention probabilities: use attn_implementation='eager' "
+                         "for output_attentions=True")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
+                   softcap=float(softcap or 0.0))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, headdim) views
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+
+    if attention_mask is not None:
+        return _padded_attention(q, k, v, attention_mask, options), None
+    packed = _packed_offsets(kwargs, batch, seqlen_q, seqlen_k, q.device)
+    if packed is not None:
+        cu_q, cu_k, max_q, max_k = packed
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                     v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **options)
+        return out.view(q.shape), None
+    return flash_attn_func(q, k, v, **options), None
+
+
+def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
+    """Unpad with the 2-D mask, attend over the real tokens of each row, re-pad with zeros.
+
+    Key j of row b is real iff mask[b, j]; the queries are the last seqlen_q key positions, so
+    query i is real iff mask[b, seqlen_k - seqlen_q + i]. A mask shorter than seqlen_k (a
+    static cache not yet full) leaves the keys past its end out.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"tileattn takes the 2-D padding mask (batch, seqlen_k), got shape "
+                         f"{tuple(attention_mask.shape)}: custom 4-D masks need attn_implementation='sdpa' or 'eager'")
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    keys_real = attention_mask.to(device=q.device, dtype=torch.bool)
+    if keys_real.shape[1] < seqlen_k:
+        keys_real = F.pad(keys_real, (0, seqlen_k - keys_real.shape[1]), value=False)
+    if keys_real.shape != (batch, seqlen_k):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {seqlen_k})")
+    queries_real = keys_real[:, seqlen_k - seqlen_q:]
+    qb, qs = queries_real.nonzero(as_tuple=True)  # real query (row, position), row-major like cu_seqlens
+    kb, ks = keys_real.nonzero(as_tuple=True)
+    lengths = torch.stack([queries_real.sum(1), keys_real.sum(1)]).to(torch.int32)  # (2, batch)
+    cu = F.pad(lengths.cumsum(1, dtype=torch.int32), (1, 0))  # (2, batch + 1)
+    max_q, max_k = lengths.max(1).values.tolist()
+    out = flash_attn_varlen_func(q[qb, qs], k[kb, ks], v[kb, ks], cu[0], cu[1], max_q, max_k, **options)
+    padded = out.new_zeros(q.shape)
+    return padded.index_put((qb, qs), out)
+
+
+def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, device):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed row, or None.
+
+    From the ``cu_seq_lens_*`` / ``max_length_*`` keywords when given (all four); otherwise, in
+    eager mode for one row of fresh tokens, from ``position_ids``: a sequence starts wherever
+    the position does not continue the previous one by 1.
+    """
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    given = [kwargs.get(n) for n in names]
+    if all(x is not None for x in given):
+        cu_q, cu_k, max_q, max_k = given
+        return cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(max_q), int(max_k)
+    position_ids = kwargs.get("position_ids")
+    if (position_ids is None or batch != 1 or seqlen_q != seqlen_k or seqlen_q < 2
+            or torch.compiler.is_compiling()):
+        return None
+    pos = position_ids.reshape(-1)
+    if pos.shape[0] != seqlen_q:
+        return None
+    restarts = (pos[1:] - pos[:-1] != 1).nonzero().flatten() + 1
+    if restarts.numel() == 0:
+        return None
+    bounds = [0, *restarts.tolist(), seqlen_q]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    return cu, cu, longest, longest
+
+
+register()

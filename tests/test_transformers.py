@@ -1,0 +1,267 @@
+"""tileattn inside Hugging Face transformers models: attn_implementation="tileattn".
+
+Tiny random models built from configs (2 layers, hidden 64, 4 query heads over 2 KV heads,
+vocab 128), Llama-, Mistral- (sliding window) and Qwen2-style (full and sliding layers).
+Logits and gradients follow the tolerance rule of tests/tolerance.py: the float64 model with
+eager attention is the oracle, eager attention in the same dtype sets the budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tolerance import GRAD_FACTOR, assert_within
+
+transformers = pytest.importorskip("transformers")
+
+import tileattn.integrations.transformers as tt  # noqa: E402  (registers "tileattn")
+
+HAS_CUDA = torch.cuda.is_available()
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+
+
+def make_config(kind: str, **overrides):
+    """A tiny config; 'mistral' slides a window of 6 over every layer, 'qwen2' over layer 1 only."""
+    if kind == "llama":
+        return transformers.LlamaConfig(**SIZES, **overrides)
+    if kind == "mistral":
+        return transformers.MistralConfig(**SIZES, sliding_window=6, **overrides)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                        **overrides)
+    raise ValueError(kind)
+
+
+def make_model(kind: str, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(kind, **overrides), attn_implementation="eager")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def batch_with_padding(seed: int, lengths, *, left: bool, device="cpu"):
+    """Random token ids (batch, max(lengths)) and their 0/1 mask, padded on the left or right."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, SIZES["vocab_size"], (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        real = slice(width - n, width) if left else slice(0, n)
+        mask[b, real] = 1
+    ids = ids.masked_fill(mask == 0, SIZES["pad_token_id"])
+    return ids.to(device), mask.to(device)
+
+
+def logits(model, impl: str, ids, mask, **kwargs):
+    """Logits with ``impl``; positions count real tokens only (as generate() does), so padding
+    on the left shifts nothing."""
+    model.set_attn_implementation(impl)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, position_ids=position_ids, **kwargs).logits
+
+
+def oracle_logits(model64, ids, mask):
+    """The float64 eager model run on each sequence alone, without padding: logits of the real tokens.
+
+    (float64 eager on a left-padded batch is no oracle: a padded query row sees no key, its
+    softmax of -inf is NaN and the NaN reaches real rows through 0 * NaN in the next layer.)
+    """
+    model64.set_attn_implementation("eager")
+    rows = []
+    with torch.no_grad():
+        for b in range(ids.shape[0]):
+            real = ids[b][mask[b].bool()][None]
+            rows.append(model64(real).logits[0])
+    out = torch.cat(rows)
+    assert torch.isfinite(out).all()
+    return out
+
+
+@pytest.fixture
+def cpu_backend(monkeypatch):
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_logits_match_eager_with_left_padding(cpu_backend, kind):
+    model = make_model(kind)
+    oracle = copy.deepcopy(model).double()
+    ids, mask = batch_with_padding(1, [20, 15, 9], left=True)
+    real = mask.bool()  # padded rows of logits are garbage in eager and zeros-fed here
+    ref = oracle_logits(oracle, ids, mask)
+    plain = logits(model, "eager", ids, mask)[real]
+    fast = logits(model, "tileattn", ids, mask)[real]
+    assert_within(f"{kind} logits", fast, plain, ref)
+
+
+def test_logits_through_triton_kernels(monkeypatch):
+    """The same model through the Triton kernels (the interpreter on a CPU), right padding."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    model = make_model("qwen2", seed=3)
+    oracle = copy.deepcopy(model).double()
+    ids, mask = batch_with_padding(4, [13, 7], left=False)
+    real = mask.bool()
+    ref = oracle_logits(oracle, ids, mask)
+    assert_within("qwen2 logits (triton)", logits(model, "tileattn", ids, mask)[real],
+                  logits(model, "eager", ids, mask)[real], ref)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_generate_gives_eager_greedy_tokens(cpu_backend, kind):
+    """Greedy decoding with transformers' own KV cache (sliding for mistral): same tokens as eager."""
+    model = make_model(kind, seed=5)
+    ids, mask = batch_with_padding(6, [12, 7, 4], left=True)
+    tokens = {}
+    for impl in ("eager", "tileattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert tokens["tileattn"].shape == (3, 22)
+    assert torch.equal(tokens["tileattn"], tokens["eager"])
+
+
+def test_training_step_gradients_match(cpu_backend):
+    """Loss and every parameter's gradient of a right-padded training batch, against float64 eager.
+
+    The oracle runs each sequence alone (see oracle_logits) and weighs its mean loss by its
+    number of labels, which is the batch's mean over all real labels.
+    """
+    model = make_model("mistral", seed=7).train()
+    oracle = copy.deepcopy(model).double()
+    ids, mask = batch_with_padding(8, [16, 11, 5], left=False)
+    labels = ids.masked_fill(mask == 0, -100)
+    lengths = mask.sum(1).tolist()
+    oracle.set_attn_implementation("eager")
+    ref_loss = sum(oracle(ids[b:b + 1, :n], labels=ids[b:b + 1, :n]).loss * (n - 1) for b, n in enumerate(lengths))
+    ref_loss = ref_loss / sum(n - 1 for n in lengths)
+    ref_loss.backward()
+    ref = {n: p.grad for n, p in oracle.named_parameters()}
+    assert torch.isfinite(ref_loss) and all(torch.isfinite(g).all() for g in ref.values())
+    grads, losses = {}, {}
+    for impl in ("eager", "tileattn"):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses[impl] = loss.detach()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_within("loss", losses["tileattn"], losses["eager"], ref_loss)
+    for n, g in ref.items():
+        assert_within(f"grad {n}", grads["tileattn"][n], grads["eager"][n], g, factor=GRAD_FACTOR)
+
+
+def test_attention_dropout_in_training(cpu_backend):
+    """attention_dropout reaches tileattn in train mode only, reproducibly under torch.manual_seed."""
+    model = make_model("llama", seed=9, attention_dropout=0.3)
+    model.set_attn_implementation("tileattn")
+    ids, mask = batch_with_padding(10, [14, 9], left=False)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def loss_with_seed(seed):
+        torch.manual_seed(seed)
+        return model(ids, attention_mask=mask, labels=labels).loss
+
+    with torch.no_grad():
+        evaluated = loss_with_seed(0)
+    model.train()
+    first = loss_with_seed(0)
+    first.backward()
+    assert torch.equal(first.detach(), loss_with_seed(0).detach())
+    assert not torch.equal(first.detach(), loss_with_seed(1).detach())
+    assert not torch.equal(first.detach(), evaluated)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_packed_row_equals_separate_sequences(cpu_backend):
+    """One row holding two sequences (found from position_ids, or given as cu_seq_lens) attends per sequence."""
+    model = make_model("llama", seed=11)
+    model.set_attn_implementation("tileattn")
+    gen = torch.Generator().manual_seed(12)
+    first, second = torch.randint(1, 128, (1, 9), generator=gen), torch.randint(1, 128, (1, 6), generator=gen)
+    row = torch.cat([first, second], dim=1)
+    position_ids = torch.cat([torch.arange(9), torch.arange(6)])[None]
+    cu = torch.tensor([0, 9, 15], dtype=torch.int32)
+    with torch.no_grad():
+        separate = torch.cat([model(first).logits, model(second).logits], dim=1)
+        from_positions = model(row, position_ids=position_ids).logits
+        from_offsets = model(row, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9,
+                             max_length_k=9).logits
+    # Same kernels on the same tokens: only the order of float32 sums may differ.
+    torch.testing.assert_close(from_positions, separate, rtol=0, atol=1e-5)
+    torch.testing.assert_close(from_offsets, separate, rtol=0, atol=1e-5)
+
+
+def test_compiled_forward_has_no_graph_break(cpu_backend):
+    """torch.compile(fullgraph=True) traces the model through tileattn's custom ops.
+
+    aot_eager runs dynamo and AOTAutograd (where graph breaks and missing fake kernels show
+    up) without inductor's C++ build, which would dominate the CPU budget.
+    """
+    model = make_model("qwen2", seed=13)
+    model.set_attn_implementation("tileattn")
+    ids = torch.randint(1, 128, (2, 17), generator=torch.Generator().manual_seed(14))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager_out = model(ids, use_cache=False).logits
+        compiled_out = compiled(ids, use_cache=False).logits
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=1e-5)
+
+
+def test_unsupported_requests_raise(cpu_backend):
+    model = make_model("llama", seed=15)
+    model.set_attn_implementation("tileattn")
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(16))
+    custom = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        model(ids, attention_mask=custom)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids, output_attentions=True)
+
+
+def test_register_is_idempotent_and_import_is_lazy():
+    tt.register()
+    tt.register()
+    assert transformers.AttentionInterface._global_mapping[tt.NAME] is tt.tileattn_attention_forward
+    code = "import sys, tileattn; assert 'transformers' not in sys.modules, 'tileattn imported transformers'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_bf16_on_cuda(kind):
+    """bf16 on the GPU: logits by the rule, greedy tokens the float64 model agrees with, compiled forward."""
+    model = make_model(kind, seed=17, device="cuda", dtype=torch.bfloat16)
+    oracle = make_model(kind, seed=17, device="cuda", dtype=torch.float64)
+    ids, mask = batch_with_padding(18, [40, 33, 12], left=True, device="cuda")
+    real = mask.bool()
+    ref = oracle_logits(oracle, ids, mask)
+    plain = logits(model, "eager", ids, mask)[real]
+    assert_within(f"{kind} bf16 logits", logits(model, "tileattn", ids, mask)[real], plain, ref)
+    budget = 2 * (plain.double() - ref).abs().max().item() + 1e-5
+
+    model.set_attn_implementation("tileattn")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], dim=1)
+        ref_full = torch.zeros(*out.sequences.shape, SIZES["vocab_size"], dtype=torch.float64, device="cuda")
+        ref_full[full_mask.bool()] = oracle_logits(oracle, out.sequences, full_mask)
+        ref_steps = ref_full[:, ids.shape[1] - 1:-1]
+    chosen = out.sequences[:, ids.shape[1]:]
+    # Each greedy token is the float64 argmax up to the bf16 error budget (near-ties may go either way).
+    gap = ref_steps.max(-1).values - ref_steps.gather(-1, chosen[..., None]).squeeze(-1)
+    assert (gap <= 2 * budget).all(), f"greedy token off the float64 argmax by {gap.max():.3e}"
+    cached = torch.stack(out.logits, dim=1).double()
+    assert (cached - ref_steps).abs().max().item() <= budget
+
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        dense = ids[:1, :32]
+        torch.testing.assert_close(compiled(dense, use_cache=False).logits.double(),
+                                   oracle(dense, use_cache=False).logits, rtol=0, atol=budget)
