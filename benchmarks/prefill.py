@@ -84,13 +84,24 @@ def inputs(case: dict, device: str, dtype):
     return q, k, v, dout
 
 
-def time_case(case: dict, name: str, args, dtype) -> dict:
-    """Forward and forward+backward milliseconds of one implementation on one shape."""
+def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
+    """Forward and forward+backward milliseconds of one implementation on one shape.
+
+    ``ref`` caches the first output computed on this shape (same inputs for every
+    implementation); ``err`` is each output's max |difference| from it, a sanity check.
+    """
     row = {"table": "speed", **{k: case[k] for k in ("hdim", "causal", "seqlen", "batch", "nheads")}, "impl": name}
     q, k, v, dout = inputs(case, args.device, dtype)
     fn, note = common.attempt(lambda: make_impl(name, case["causal"], case["seqlen"], args.device))
     fwd = fwdbwd = None
     if fn is not None:
+        out, note = common.attempt(lambda: fn(q, k, v).detach().float())
+        if out is not None:
+            ref.setdefault("out", (name, out))
+            row["err"] = (out - ref["out"][1]).abs().max().item()
+            row["err_vs"] = ref["out"][0]
+            del out
+    if fn is not None and not note:
         fwd, note = common.attempt(lambda: common.bench(lambda: fn(q, k, v), args.device, cpu_reps=2))
     if fwd is not None and not args.no_backward:
         fwdbwd, note = common.attempt(lambda: common.bench(lambda: fn(q, k, v).backward(dout), args.device,
@@ -196,10 +207,11 @@ def main() -> None:
     env.update(ceilings)
     rows = []
     for c in cases:
+        ref: dict = {}
         for name in IMPLS:
             if name == "flex" and c["seqlen"] not in flex_at:
                 continue
-            rows.append(time_case(c, name, args, dtype))
+            rows.append(time_case(c, name, args, dtype, ref))
             r = rows[-1]
             print(f"  hdim {c['hdim']} causal {c['causal']} seqlen {c['seqlen']} {name}: "
                   f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s", flush=True)
@@ -209,7 +221,13 @@ def main() -> None:
         for c in cases:
             if c["seqlen"] == longest and not c["causal"]:
                 rows += [memory_case(c, name, args, dtype) for name in ("tileattn", "sdpa flash")]
+    del ref
+    common.free_cuda()
     speed_table(cases, rows, ceilings)
+    errs = [(r["err"], r["impl"]) for r in rows if r.get("err") is not None]
+    if errs:
+        worst = max(errs, key=lambda e: e[0] if e[0] == e[0] else float("inf"))  # NaN counts as the worst
+        print(f"largest max |out − first implementation's out| on the same inputs: {worst[0]:.3g} ({worst[1]})")
     memory_table(rows)
     common.print_notes(rows)
     common.write_csv(f"{args.out}/prefill.csv", rows, env)
