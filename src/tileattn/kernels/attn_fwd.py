@@ -1,0 +1,264 @@
+"""The FlashAttention forward kernel: one program = one block of query rows x one key range.
+
+For a block of ``BLOCK_M`` query rows the keys stream through in tiles of ``BLOCK_N``, and
+per row the running maximum ``m``, running sum ``l`` and unnormalised output ``acc`` follow
+the online-softmax recurrence in log2 units (``s2 = log2(e) * s``, see ``common.py``):
+
+    m' = max(m, rowmax(s2));  alpha = 2^(m - m');  p = 2^(s2 - m')
+    l' = alpha l + rowsum(p);  acc' = alpha acc + (p * keep / (1 - p_drop)) V
+
+and at the end ``out = acc / l``, ``lse = (m + log2 l) * ln 2`` (natural log). A row that saw
+no key keeps ``l = 0``: out 0, lse -inf (the guard ``m' = -inf -> 0`` keeps 2^(-inf - -inf)
+from becoming NaN).
+
+The key tiles a query block needs fall into three ranges, walked in order:
+
+    [n_lo, full_lo)     left edge of a sliding window: masked
+    [full_lo, full_hi)  every (row, key) pair visible and every key < seqlen_k: no mask work
+    [full_hi, n_hi)     causal diagonal / right window edge / last partial tile: masked
+
+Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SPLIT_KV`` the grid's
+axis 1 cuts ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial,
+already normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
+
+Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
+``IS_PAGED`` (keys in a block pool addressed through a block table), ``HAS_SEQUSED_K``,
+``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r % GROUP``,
+so one program reads each K/V tile once for the whole group), ``SPLIT_KV``, ``MASK_LEFT`` /
+``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0), ``HAS_SOFTCAP``,
+``HAS_ALIBI``, ``HAS_DROPOUT``. ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
+dtype, except bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as
+integers; the launcher then asks for fp32.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import dropout_keep, scores_log2
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a jit function may read: a tl.constexpr instance
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn, stride_vn,
+                    tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+                    window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, MASKED: tl.constexpr,
+                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Run the recurrence over key tiles ``tile_lo .. tile_hi - 1`` (tile indices).
+
+    ``MASKED`` tiles apply the window and ``seqlen_k`` bounds; unmasked tiles are known to be
+    fully visible and fully inside the sequence, so they carry no masks but the head dim's.
+    """
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    for start_n in range(tile_lo * BLOCK_N, tile_hi * BLOCK_N, BLOCK_N):
+        k_pos = start_n + offs_n  # [BLOCK_N] key positions inside the sequence
+        if MASKED:
+            kv_mask = (k_pos[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_PAD]
+        else:
+            kv_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_DIM_PAD], only used if HEAD_DIM is padded
+        if IS_PAGED:
+            if PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page: one table lookup
+                page = tl.load(tbl + start_n // PAGE_SIZE).to(tl.int64)
+                rows = start_n % PAGE_SIZE + offs_n  # [BLOCK_N]
+                k_rows = page * stride_kpage + rows.to(tl.int64) * stride_kn
+                v_rows = page * stride_vpage + rows.to(tl.int64) * stride_vn
+            else:  # pages smaller than (or not aligned to) the tile: one lookup per key
+                if MASKED:
+                    page = tl.load(tbl + k_pos // PAGE_SIZE, mask=k_pos < seqlen_k, other=0).to(tl.int64)
+                else:
+                    page = tl.load(tbl + k_pos // PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
+                rows = (k_pos % PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
+                k_rows = page * stride_kpage + rows * stride_kn
+                v_rows = page * stride_vpage + rows * stride_vn
+        else:
+            k_rows = k_pos.to(tl.int64) * stride_kn  # [BLOCK_N]
+            v_rows = k_pos.to(tl.int64) * stride_vn
+        k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            b_k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        else:
+            b_k = tl.load(k_ptrs)
+        qk = tl.dot(b_q, tl.trans(b_k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        s = scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI,
+                        MASKED and MASK_LEFT, MASKED and MASK_RIGHT, MASKED)  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        if MASKED:  # a row with nothing visible yet: subtract 0 instead of -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
+        p = tl.math.exp2(s - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, bh, q_pos, k_pos, dropout_threshold)  # [BLOCK_M, BLOCK_N]
+            p = tl.where(keep, p * dropout_scale, 0.0)
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            b_v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        else:
+            b_v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_PAD]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "num_splits", "window_left",
+                               "window_right", "dropout_seed", "dropout_threshold"])
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Slopes, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_o_split, stride_ob, stride_os, stride_oh,
+    stride_l_split, stride_lb, stride_lh, stride_ls,
+    stride_sb, stride_sh, stride_tb,
+    nheads, seqlen_q_arg, seqlen_k_arg, max_rows, num_splits,
+    scale_log2, softcap, window_left, window_right,
+    dropout_seed, dropout_threshold, dropout_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
+
+    ``Out``/``Lse`` are either the outputs (``stride_o_split = 0``) or, with ``SPLIT_KV``, fp32
+    workspaces with one slice per split. Dense tensors index tokens as ``b * stride_b + i * stride_s``;
+    varlen tensors pass ``stride_b = 0`` and the sequence's start offset is added to ``i``.
+    """
+    num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
+    pid = tl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks  # heaviest (causal) query blocks first
+    bh_grid = pid // num_m_blocks
+    nheads_grid = nheads // GROUP if PACK_GQA else nheads
+    b = bh_grid // nheads_grid
+    h_grid = bh_grid % nheads_grid
+
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+    else:
+        q_start = 0
+        seqlen_q = seqlen_q_arg
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.load(SequsedK + b)
+    elif IS_VARLEN and not IS_PAGED:
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - tl.load(CuSeqlensK + b)
+    else:
+        seqlen_k = seqlen_k_arg
+
+    num_rows = seqlen_q * GROUP if PACK_GQA else seqlen_q
+    m_start = m_block * BLOCK_M
+    if m_start >= num_rows:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] row of this (sequence, head group)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    if PACK_GQA:
+        q_pos = offs_m // GROUP  # [BLOCK_M] query position inside the sequence
+        head = h_grid * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+        head_k = h_grid
+        q_first = m_start // GROUP
+        q_last = tl.minimum((m_start + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+    else:
+        q_pos = offs_m
+        head = tl.zeros([BLOCK_M], dtype=tl.int32) + h_grid
+        head_k = h_grid // GROUP
+        q_first = m_start
+        q_last = tl.minimum(m_start + BLOCK_M - 1, seqlen_q - 1)
+    row_ok = q_pos < seqlen_q  # [BLOCK_M]
+    b64 = b.to(tl.int64)
+    tok = (q_start + q_pos).to(tl.int64)  # [BLOCK_M] token index along the (packed) sequence axis
+
+    q_rows = b64 * stride_qb + tok * stride_qs + head.to(tl.int64) * stride_qh  # [BLOCK_M]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_PAD]
+    b_q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_PAD]
+
+    if IS_PAGED:
+        k_base = K + head_k.to(tl.int64) * stride_kh
+        v_base = V + head_k.to(tl.int64) * stride_vh
+        tbl = BlockTable + b64 * stride_tb
+    else:
+        k_base = K + b64 * stride_kb + head_k.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + head_k.to(tl.int64) * stride_vh
+        if IS_VARLEN:  # keys packed too: start at the sequence's first key
+            k_start = tl.load(CuSeqlensK + b).to(tl.int64)
+            k_base += k_start * stride_ks
+            v_base += k_start * stride_vs
+        tbl = BlockTable
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Slopes + b64 * stride_sb + head * stride_sh)[:, None] * LOG2E  # [BLOCK_M, 1]
+    else:
+        slope_log2 = 0.0
+    bh = b * nheads + head  # [BLOCK_M] dropout's (batch, head) counter
+
+    # Key tiles this query block can see (window bounds relative to the diagonal i + diag_off).
+    diag_off = seqlen_k - seqlen_q
+    key_lo = 0
+    key_hi = seqlen_k
+    full_lo_key = 0
+    full_hi_key = seqlen_k
+    if MASK_LEFT:
+        key_lo = tl.maximum(q_first + diag_off - window_left, 0)
+        full_lo_key = tl.maximum(q_last + diag_off - window_left, 0)
+    if MASK_RIGHT:
+        key_hi = tl.maximum(tl.minimum(q_last + diag_off + window_right + 1, seqlen_k), 0)
+        full_hi_key = tl.maximum(tl.minimum(q_first + diag_off + window_right + 1, seqlen_k), 0)
+    n_lo = key_lo // BLOCK_N
+    n_hi = tl.maximum(tl.cdiv(key_hi, BLOCK_N), n_lo)
+    full_lo = tl.minimum(tl.cdiv(full_lo_key, BLOCK_N), n_hi)
+    full_lo = tl.maximum(full_lo, n_lo)
+    full_hi = tl.minimum(tl.maximum(full_hi_key // BLOCK_N, full_lo), n_hi)
+    if SPLIT_KV:
+        per_split = tl.cdiv(n_hi - n_lo, num_splits)
+        split_lo = n_lo + tl.program_id(1) * per_split
+        split_hi = tl.minimum(split_lo + per_split, n_hi)
+        n_lo = tl.minimum(tl.maximum(n_lo, split_lo), split_hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, split_lo), split_hi)
+        n_hi = tl.minimum(tl.maximum(n_hi, split_lo), split_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_PAD]
+    stride_kpage = stride_kb
+    stride_vpage = stride_vb
+    if MASK_LEFT:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+            n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+            window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
+            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+        full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, False,
+        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+        full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
+        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
+
+    empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
+
+    split = tl.program_id(1).to(tl.int64)
+    o_rows = split * stride_o_split + b64 * stride_ob + tok * stride_os + head.to(tl.int64) * stride_oh
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], b_o.to(Out.dtype.element_ty), mask=q_mask)
+    l_rows = split * stride_l_split + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_ls
+    tl.store(Lse + l_rows, lse, mask=row_ok)

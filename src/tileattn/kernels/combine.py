@@ -1,0 +1,73 @@
+"""Merge the split-KV partial states ``(o_s, lse_s)`` of the forward kernel into ``(out, lse)``.
+
+The splits cover disjoint key ranges, so (as ``tileattn.ops.merge``) per query row and head
+
+    lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) o_s
+
+computed with the largest lse_s subtracted first (log2 units inside), so each partial
+output is read once. Empty splits (lse_s = -inf) weigh 0; a row whose every split is
+empty gives out 0 and lse -inf.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a jit function may read: a tl.constexpr instance
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "num_splits"])
+def _combine_kernel(
+    OPart, LsePart, Out, Lse,
+    stride_po_split, stride_po_b, stride_po_s, stride_po_h,
+    stride_pl_split, stride_pl_b, stride_pl_h, stride_pl_s,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    nheads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Grid: one program per row of the flattened (batch, query, head) axis.
+
+    Partials are ``OPart`` (splits, B, Sq, H, D) and ``LsePart`` (splits, B, H, Sq), fp32;
+    ``Out`` (B, Sq, H, D) and ``Lse`` (B, H, Sq) take any strides (varlen passes B = 1).
+    Splits are read ``BLOCK_S`` at a time: first the maximum lse, then the weighted sum.
+    """
+    row = tl.program_id(0)
+    head = (row % nheads).to(tl.int64)
+    pos = ((row // nheads) % seqlen_q).to(tl.int64)
+    b = (row // (nheads * seqlen_q)).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    lse_ptr = LsePart + b * stride_pl_b + head * stride_pl_h + pos * stride_pl_s
+    o_ptr = OPart + b * stride_po_b + pos * stride_po_s + head * stride_po_h
+
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)  # [BLOCK_S]
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + offs_s
+        lse_s = tl.load(lse_ptr + split.to(tl.int64) * stride_pl_split, mask=split < num_splits,
+                        other=float("-inf"))
+        m_vec = tl.maximum(m_vec, lse_s * LOG2E)
+    m = tl.max(m_vec, 0)  # largest lse, log2 units
+    m = tl.where(m == float("-inf"), 0.0, m)
+
+    l_vec = tl.zeros([BLOCK_S], dtype=tl.float32)  # [BLOCK_S]
+    acc = tl.zeros([BLOCK_S, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_S, HEAD_DIM_PAD]
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + offs_s
+        ok = split < num_splits
+        lse_s = tl.load(lse_ptr + split.to(tl.int64) * stride_pl_split, mask=ok, other=float("-inf"))
+        w = tl.math.exp2(lse_s * LOG2E - m)  # [BLOCK_S] weight of each split; 0 when empty
+        o_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        o_s = tl.load(o_ptr + split.to(tl.int64)[:, None] * stride_po_split + offs_d[None, :], mask=o_mask,
+                      other=0.0)  # [BLOCK_S, HEAD_DIM_PAD]
+        l_vec += w
+        acc += w[:, None] * o_s
+
+    l_sum = tl.sum(l_vec, 0)
+    empty = l_sum == 0.0
+    l_safe = tl.where(empty, 1.0, l_sum)
+    out = tl.sum(acc, 0) / l_safe  # [HEAD_DIM_PAD]
+    lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)
+    o_dst = Out + b * stride_ob + pos * stride_os + head * stride_oh + offs_d
+    tl.store(o_dst, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(Lse + b * stride_lb + head * stride_lh + pos * stride_ls, lse)
