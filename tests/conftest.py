@@ -2,8 +2,17 @@
 
 import os
 
-import pytest
-import torch
+# Two pytest-xdist workers share two cores: one BLAS thread each (set before numpy loads),
+# or the many small tile products of the reference oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere: the kernels then run on CPU tensors.

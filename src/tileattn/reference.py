@@ -281,28 +281,23 @@ def attention_paged(q, k_pool, v_pool, block_table, seq_lens, *, softmax_scale=N
     return out, lse
 
 
-def attention_split(q, k, v, *, num_splits, block_n=64, **options):
+def attention_split(q, k, v, *, num_splits, block_n=64, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
     """Flash-decoding: the keys cut into ``num_splits`` contiguous ranges, each range runs the
     recurrence on its own (as separate workers would), the partial (o, lse) states merged."""
-    seqlen_k = k.shape[1]
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
-    bounds = np.linspace(0, seqlen_k, num_splits + 1).round().astype(int)
-    outs, lses = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        o_w, lse_w = _attention_on_key_range(q, k, v, lo, hi, block_n, options)
-        outs.append(o_w)
-        lses.append(lse_w)
-    return merge_many(outs, lses)
-
-
-def _attention_on_key_range(q, k, v, lo, hi, block_n, options):
-    """One worker of :func:`attention_split`: keys [lo, hi) only, positions kept global."""
     q, k, v = _f64(q), _f64(k), _f64(v)
-    opts = _options(q, options.get("softmax_scale"), options.get("causal", False), options.get("window_size", (-1, -1)),
-                    options.get("softcap", 0.0), options.get("alibi_slopes"), options.get("dropout_p", 0.0),
-                    options.get("dropout_seed", 0))
-    batch, seqlen_q, _, _ = q.shape
+    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed)
+    seqlen_k = k.shape[1]
+    bounds = np.linspace(0, seqlen_k, num_splits + 1).round().astype(int)
+    states = [_attention_on_key_range(q, k, v, lo, hi, block_n, opts) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return merge_many([o for o, _ in states], [lse for _, lse in states])
+
+
+def _attention_on_key_range(q, k, v, lo, hi, block_n, opts):
+    """One worker of :func:`attention_split`: keys [lo, hi) only, positions kept global."""
+    batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
     nheads, group = _heads(q, k)
     rows = np.arange(seqlen_q)
@@ -320,44 +315,30 @@ def _attention_on_key_range(q, k, v, lo, hi, block_n, options):
     return out, lse
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
     """Packed batch: q (total_q, nheads, d), k/v (total_k, nheads_k, d); sequence b owns
     rows cu_seqlens[b]:cu_seqlens[b+1]. Returns out (total_q, nheads, d), lse (nheads, total_q).
     ``alibi_slopes`` may be (nheads,) or (batch, nheads); dropout counts b as the sequence."""
     q, k, v = _f64(q), _f64(k), _f64(v)
+    batch, nheads = len(cu_seqlens_q) - 1, q.shape[1]
+    slopes = None if alibi_slopes is None else np.broadcast_to(_f64(alibi_slopes), (batch, nheads))
     out = np.zeros(q.shape[:2] + (v.shape[-1],))
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    nheads = q.shape[1]
-    slopes = options.pop("alibi_slopes", None)
-    seed = options.pop("dropout_seed", 0)
-    for b in range(len(cu_seqlens_q) - 1):
+    lse = np.full((nheads, q.shape[0]), -np.inf)
+    for b in range(batch):
         qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         ks, ke = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
-        if qe == qs:
+        if qe == qs or ke == ks:
             continue
-        slope_b = None if slopes is None else np.broadcast_to(_f64(slopes), (len(cu_seqlens_q) - 1, nheads))[b]
-        # dropout's bh counts heads of sequence b: shift the seed's head counter by b * nheads
-        o_b, lse_b = _varlen_one(q[qs:qe], k[ks:ke], v[ks:ke], b, slope_b, seed, options)
-        out[qs:qe], lse[:, qs:qe] = o_b, lse_b
-    return out, lse
-
-
-def _varlen_one(q, k, v, b, slope_b, seed, options):
-    nheads = q.shape[1]
-    opts = _options(q[None], options.get("softmax_scale"), options.get("causal", False),
-                    options.get("window_size", (-1, -1)), options.get("softcap", 0.0), slope_b,
-                    options.get("dropout_p", 0.0), seed)
-    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
-    _, group = _heads(q[None], k[None])
-    rows, cols = np.arange(seqlen_q), np.arange(seqlen_k)
-    out = np.zeros(q.shape[:2] + (v.shape[-1],))
-    lse = np.full((nheads, seqlen_q), -np.inf)
-    if seqlen_k == 0:
-        return out, lse
-    for h in range(nheads):
-        key_tiles = [(cols, k[:, h // group], v[:, h // group])]
-        out[:, h], lse[h] = _tiled_rows(q[:, h], rows, key_tiles, seqlen_q, seqlen_k, opts,
-                                        opts["slopes"][0, h], b * nheads + h, True)
+        opts = _options(q[None, qs:qe], softmax_scale, causal, window_size, softcap,
+                        None if slopes is None else slopes[b], dropout_p, dropout_seed)
+        _, group = _heads(q[None], k[None])
+        rows, cols = np.arange(qe - qs), np.arange(ke - ks)
+        for h in range(nheads):
+            key_tiles = [(cols, k[ks:ke, h // group], v[ks:ke, h // group])]
+            # dropout's head counter for sequence b is b * nheads + h
+            out[qs:qe, h], lse[h, qs:qe] = _tiled_rows(q[qs:qe, h], rows, key_tiles, qe - qs, ke - ks, opts,
+                                                       opts["slopes"][0, h], b * nheads + h, True)
     return out, lse
 
 
