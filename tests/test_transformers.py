@@ -112,16 +112,17 @@ def test_logits_through_triton_kernels(monkeypatch):
                   logits(model, "eager", ids, mask)[real], ref)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_generate_gives_eager_greedy_tokens(cpu_backend, kind):
-    """Greedy decoding with transformers' own KV cache (sliding for mistral): same tokens as eager."""
+@pytest.mark.parametrize("kind, cache", [("llama", None), ("mistral", None), ("llama", "static")])
+def test_generate_gives_eager_greedy_tokens(cpu_backend, kind, cache):
+    """Greedy decoding with transformers' own KV caches (dynamic, sliding for mistral, static): eager's tokens."""
     model = make_model(kind, seed=5)
     ids, mask = batch_with_padding(6, [12, 7, 4], left=True)
     tokens = {}
     for impl in ("eager", "tileattn"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                          cache_implementation=cache)
     assert tokens["tileattn"].shape == (3, 22)
     assert torch.equal(tokens["tileattn"], tokens["eager"])
 
@@ -198,19 +199,36 @@ def test_packed_row_equals_separate_sequences(cpu_backend):
 
 
 def test_compiled_forward_has_no_graph_break(cpu_backend):
-    """torch.compile(fullgraph=True) traces the model through tileattn's custom ops.
+    """torch.compile(fullgraph=True) traces a left-padded batch through tileattn's custom ops.
 
     aot_eager runs dynamo and AOTAutograd (where graph breaks and missing fake kernels show
     up) without inductor's C++ build, which would dominate the CPU budget.
     """
     model = make_model("qwen2", seed=13)
     model.set_attn_implementation("tileattn")
-    ids = torch.randint(1, 128, (2, 17), generator=torch.Generator().manual_seed(14))
+    ids, mask = batch_with_padding(14, [17, 10], left=True)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    real = mask.bool()
     with torch.no_grad():
-        eager_out = model(ids, use_cache=False).logits
-        compiled_out = compiled(ids, use_cache=False).logits
+        eager_out = model(ids, attention_mask=mask, use_cache=False).logits[real]
+        compiled_out = compiled(ids, attention_mask=mask, use_cache=False).logits[real]
+    # Unpadded (eager) and segmented (compiled) batches: same keys per query, sums may reorder.
     torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_segmented_padding_equals_unpadding(cpu_backend, left):
+    """The compile-time path (three segments per row) gives the real query rows of the eager path."""
+    gen = torch.Generator().manual_seed(19 + left)
+    q, k, v = (torch.randn(3, n, h, 16, generator=gen) for n, h in ((5, 4), (11, 2), (11, 2)))
+    _, mask = batch_with_padding(20, [11, 6, 3], left=left)  # queries: key positions 6..10
+    keys_real = mask.bool()
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(3, 3), softcap=0.0)
+    exact = tt._unpadded_attention(q, k, v, keys_real, 6, options)
+    segmented = tt._segmented_attention(q, k, v, keys_real, 6, options)
+    real_queries = keys_real[:, 6:]
+    assert real_queries.any() and not real_queries.all()
+    torch.testing.assert_close(segmented[real_queries], exact[real_queries], rtol=0, atol=1e-6)
 
 
 def test_unsupported_requests_raise(cpu_backend):

@@ -28,10 +28,12 @@ KV caches. What the layer hands over, and what tileattn does with it:
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
   ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
 
-Host synchronisation: the dense path (no padding) never reads tensor values, so a
-``torch.compile(fullgraph=True)``-d model traces through it. Unpadding and finding packed
-sequences in ``position_ids`` must read the mask (data-dependent shapes), as flash-attn's
-transformers path does.
+Host synchronisation: in eager mode padding is removed exactly (any mask) by reading the
+mask, as flash-attn's transformers path does. Under ``torch.compile`` nothing is read on the
+host, so ``fullgraph=True`` traces the model: the mask function keeps the mask, and each
+padded row becomes three segments of one varlen batch (real tokens must form one run per
+row: left or right padding); restarts in ``position_ids`` are not looked for (pass
+``cu_seq_lens_*`` for packed rows).
 
 Needs a transformers with ``AttentionInterface`` and ``masking_utils.AttentionMaskInterface``
 (the registries of transformers 4.53 and later, all of 5.x).
@@ -118,30 +120,67 @@ def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
 
 def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
-    """Unpad with the 2-D mask, attend over the real tokens of each row, re-pad with zeros.
+    """Attention of a padded batch: key j of row b is real iff mask[b, j].
 
-    Key j of row b is real iff mask[b, j]; the queries are the last seqlen_q key positions, so
-    query i is real iff mask[b, seqlen_k - seqlen_q + i]. A mask shorter than seqlen_k (a
-    static cache not yet full) leaves the keys past its end out.
+    The mask covers the first ``width`` key positions, and the queries are its last seqlen_q
+    (a static cache holds seqlen_k >= width slots; the ones past the mask are not filled yet).
     """
     if attention_mask.dim() != 2:
         raise ValueError(f"tileattn takes the 2-D padding mask (batch, seqlen_k), got shape "
                          f"{tuple(attention_mask.shape)}: custom 4-D masks need attn_implementation='sdpa' or 'eager'")
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    keys_real = attention_mask.to(device=q.device, dtype=torch.bool)
-    if keys_real.shape[1] < seqlen_k:
-        keys_real = F.pad(keys_real, (0, seqlen_k - keys_real.shape[1]), value=False)
-    if keys_real.shape != (batch, seqlen_k):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {seqlen_k})")
-    queries_real = keys_real[:, seqlen_k - seqlen_q:]
+    width = attention_mask.shape[1]
+    if attention_mask.shape[0] != batch or not seqlen_q <= width <= seqlen_k:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, n) with "
+                         f"{seqlen_q} <= n <= {seqlen_k}")
+    keys_real = F.pad(attention_mask.to(device=q.device, dtype=torch.bool), (0, seqlen_k - width), value=False)
+    if torch.compiler.is_compiling():
+        return _segmented_attention(q, k, v, keys_real, width - seqlen_q, options)
+    return _unpadded_attention(q, k, v, keys_real, width - seqlen_q, options)
+
+
+def _unpadded_attention(q, k, v, keys_real, first_query: int, options: dict) -> torch.Tensor:
+    """Gather the real tokens into a packed batch, attend (varlen), scatter back; padded query rows get 0.
+
+    Any mask works. Query i of a row is real iff its key position first_query + i is; with the
+    masks aligned bottom-right per row, real query i sees the real keys up to its position.
+    """
+    seqlen_q = q.shape[1]
+    queries_real = keys_real[:, first_query:first_query + seqlen_q]
     qb, qs = queries_real.nonzero(as_tuple=True)  # real query (row, position), row-major like cu_seqlens
     kb, ks = keys_real.nonzero(as_tuple=True)
     lengths = torch.stack([queries_real.sum(1), keys_real.sum(1)]).to(torch.int32)  # (2, batch)
     cu = F.pad(lengths.cumsum(1, dtype=torch.int32), (1, 0))  # (2, batch + 1)
     max_q, max_k = lengths.max(1).values.tolist()
     out = flash_attn_varlen_func(q[qb, qs], k[kb, ks], v[kb, ks], cu[0], cu[1], max_q, max_k, **options)
-    padded = out.new_zeros(q.shape)
-    return padded.index_put((qb, qs), out)
+    return out.new_zeros(q.shape).index_put((qb, qs), out)
+
+
+def _segmented_attention(q, k, v, keys_real, first_query: int, options: dict) -> torch.Tensor:
+    """The same without reading the mask on the host (static shapes, for torch.compile).
+
+    Assumes the real tokens of each row form one run [start, end) of key positions — left
+    or right padding, as tokenizers and generate() produce (a mask with holes needs eager
+    mode). Every row becomes three sequences of one varlen batch over all batch x seqlen rows:
+    the padding before the run, the run, the padding after it. Padded query rows attend among
+    padding: finite values nobody reads.
+    """
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    pos = torch.arange(seqlen_k, device=q.device)
+    start = torch.where(keys_real, pos, seqlen_k).amin(1)  # (batch,), seqlen_k for a row without real keys
+    end = torch.maximum(torch.where(keys_real, pos + 1, 0).amax(1), start)
+    bounds_k = torch.stack([torch.zeros_like(start), start, end], 1)  # (batch, 3) key positions
+    bounds_q = (bounds_k - first_query).clamp(0, seqlen_q)  # the same cuts among the queries
+    rows = torch.arange(batch, device=q.device)[:, None]
+
+    def offsets(bounds, seqlen):  # (3 * batch + 1,) int32
+        flat = (bounds + rows * seqlen).flatten()
+        return torch.cat([flat, flat.new_full((1,), batch * seqlen)]).to(torch.int32)
+
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), offsets(bounds_q, seqlen_q), offsets(bounds_k, seqlen_k),
+                                 seqlen_q, seqlen_k, **options)
+    return out.view(q.shape)
 
 
 def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, device):
