@@ -1,7 +1,7 @@
 """Ring attention on real gloo process groups (CPU) against the float64 reference.
 
-Each world size (1, 2, 4) is spawned ONCE for the module: its processes run every case and
-write what failed to a file per rank; the parametrized tests below read those files. A case
+Each world size (1, 2, 4) is spawned ONCE: its processes run every case and write what
+failed to a file per rank, which the test of that world reads. A case
 shards seeded full-sequence inputs, runs ``ring_flash_attn_func`` forward and backward on every
 rank, and checks this rank's rows of out, lse, dq, dk, dv against the same rows of the float64
 reference under the tolerance rule (tests/tolerance.py), the budget set by plain attention
@@ -140,48 +140,37 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
 # ----------------------------------------------------------------------------- spawning
 
 
-_RESULTS: dict[tuple[int, str], list[dict]] = {}
+def _spawn(world: int, device_type: str, tmp) -> list[dict]:
+    """Run every case on ``world`` fresh processes; per rank {case: traceback or None}."""
+    ctx = mp.start_processes(_worker, args=(world, str(tmp / "pg"), str(tmp), device_type), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ring of {world} processes did not finish in {SPAWN_DEADLINE_S} s (hang?)")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def ring_results(tmp_path_factory):
-    """(world size, device type) -> per-rank {case: traceback or None}; each spawned once, on first use."""
-
-    def results(world: int, device_type: str = "cpu"):
-        key = (world, device_type)
-        if key not in _RESULTS:
-            tmp = tmp_path_factory.mktemp(f"ring{world}{device_type}")
-            ctx = mp.start_processes(_worker, args=(world, str(tmp / "pg"), str(tmp), device_type), nprocs=world,
-                                     join=False, start_method="spawn")
-            deadline = time.monotonic() + SPAWN_DEADLINE_S
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"ring of {world} processes did not finish in {SPAWN_DEADLINE_S} s (hang?)")
-            _RESULTS[key] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-        return _RESULTS[key]
-
-    return results
+def _assert_all_passed(per_rank: list[dict]) -> None:
+    failed = [f"{name} on rank {r}:\n{tb}" for r, res in enumerate(per_rank) for name, tb in res.items() if tb]
+    assert not failed, f"{len(failed)} case(s) failed:\n" + "\n".join(failed)
 
 
-@pytest.mark.parametrize(("world", "name"), [(w, n) for w in WORLD_SIZES for n in _cases_for(w)])
-def test_ring_matches_reference(ring_results, world, name):
-    per_rank = ring_results(world)
-    failed = [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res[name] is not None]
-    assert not failed, "\n".join(failed)
-
-
-GPU_WORLD = min(4, torch.cuda.device_count())
+# One test per process group (not per case), so that pytest-xdist never spawns a world twice;
+# the message names every failing case and rank.
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ring_matches_reference(world, tmp_path):
+    per_rank = _spawn(world, "cpu", tmp_path)
+    assert all(sorted(res) == sorted(_cases_for(world)) for res in per_rank)
+    _assert_all_passed(per_rank)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", _cases_for(GPU_WORLD) if GPU_WORLD else list(CASES))
-def test_ring_on_nccl_matches_reference(ring_results, name):
+def test_ring_on_nccl_matches_reference(tmp_path):
     """The same cases on the GPUs of this host (NCCL, the Triton backend), up to 4 ranks."""
-    per_rank = ring_results(GPU_WORLD, "cuda")
-    failed = [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res[name] is not None]
-    assert not failed, "\n".join(failed)
+    _assert_all_passed(_spawn(min(4, torch.cuda.device_count()), "cuda", tmp_path))
 
 
 # ----------------------------------------------------------------------------- no process group needed
