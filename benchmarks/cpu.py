@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,7 @@ def main() -> None:
     rows = []
     for n in ns:
         for impl in IMPLS:
-            r = {"N": n, "impl": impl, **run(impl, n, args.timeout)}
+            r = {"N": n, "impl": impl, "load_1min": round(os.getloadavg()[0], 2), **run(impl, n, args.timeout)}
             r["gflops"] = common.tflops(common.attn_flops(1, HEADS, n, n, HDIM), r.get("ms"))
             r["gflops"] = r["gflops"] and r["gflops"] * 1e3
             rows.append(r)
@@ -131,10 +132,11 @@ def main() -> None:
                   f"+{common.fmt(r.get('peak_extra_mb'))} MB {r.get('note', '')}", flush=True)
     sdpa = {r["N"]: r.get("ms") for r in rows if r["impl"] == "sdpa"}
     common.print_table("CPU attention, fp32 (1, 8, N, 64), not causal",
-                       ["N", "impl", "ms", "GFLOP/s", "× SDPA throughput", "peak RSS growth MB"],
+                       ["N", "impl", "ms", "GFLOP/s", "× SDPA throughput", "peak RSS growth MB", "load avg"],
                        [[r["N"], r["impl"], common.fmt(r.get("ms")), common.fmt(r["gflops"]),
                          common.fmt(sdpa[r["N"]] / r["ms"], 2) if r.get("ms") and sdpa.get(r["N"]) else "n/a",
-                         common.fmt(r.get("peak_extra_mb"))] for r in rows])
+                         common.fmt(r.get("peak_extra_mb")), common.fmt(r["load_1min"], 1)] for r in rows],
+                       caption="load avg: the machine's 1-minute load average when the case started (2 cores)")
     common.print_notes(rows)
     common.write_csv(f"{args.out}/cpu.csv", rows, env)
     plot(rows, f"{args.out}/cpu.png", env)
