@@ -230,23 +230,21 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_PAD]
-    stride_kpage = stride_kb
-    stride_vpage = stride_vb
     if MASK_LEFT:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+            acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
         window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
         BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, False,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_ks, stride_vs,
+        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
         window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
         BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
