@@ -36,7 +36,7 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
     if head_dim_p <= 64:
         return [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)]
     if head_dim_p <= 128:
-        return [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3)]
+        return [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 5), (128, 32, 8, 3), (64, 64, 4, 3)]
     return [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
 
 
@@ -50,7 +50,8 @@ def _configs(kind: str, head_dims=(64, 128, 256)) -> list[triton.Config]:
 def _pruner(kind: str):
     """The autotuner's early prune: keep only the configs meant for this head dimension."""
     def prune(configs, named_args, **kwargs):
-        wanted = {str(c) for c in _configs(kind, (named_args["HEAD_DIM_P"],))}
+        head_dim_p = {**named_args, **kwargs}["HEAD_DIM_P"]
+        wanted = {str(c) for c in _configs(kind, (head_dim_p,))}
         return [c for c in configs if str(c) in wanted]
     return prune
 

@@ -27,7 +27,9 @@ dtype (the inputs' own, except bf16 under Triton's interpreter: fp32 holding bf1
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, scores_log2, tanh
+from .common import dropout_keep, scores_log2, tanh
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a plain constexpr global, readable from jit code
 
 
 @triton.jit
@@ -244,9 +246,9 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
     vT_ptrs = v_base + start * stride_vn + tile_n * stride_vn + offs_d[:, None]  # [HEAD_DIM_P, BLOCK_N]
     for _ in range(start_n, end_n, BLOCK_N):
         if MASK_N:
-            mask = mask_d[:, None] & (offs_n[None, :] < seqlen_k)
+            mask = mask_d[:, None] & (offs_n[None, :] < seqlen_k)  # [HEAD_DIM_P, BLOCK_N]
         else:
-            mask = mask_d[:, None] & (offs_n[None, :] >= 0)
+            mask = mask_d[:, None]  # [HEAD_DIM_P, 1], broadcast by the loads
         b_kT = tl.load(kT_ptrs, mask=mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
         b_vT = tl.load(vT_ptrs, mask=mask, other=0.0).to(DOT_DTYPE)  # [HEAD_DIM_P, BLOCK_N]
         in_dtype = b_kT.dtype
