@@ -42,6 +42,7 @@ def max_err(x, ref) -> float:
 def assert_within(name: str, fast, plain, ref, factor: float = OUT_FACTOR) -> None:
     """Check ``fast`` against the float64 ``ref`` with the budget set by ``plain``."""
     err_fast, err_plain = max_err(fast, ref), max_err(plain, ref)
+    assert err_plain < float("inf"), f"{name}: the plain-torch budget itself is not finite (broken oracle)"
     bound = factor * err_plain + SLACK
     assert err_fast <= bound, f"{name}: err(fast)={err_fast:.3e} > {factor}*err(torch)={err_plain:.3e} + {SLACK}"
 

@@ -27,9 +27,8 @@ dtype (the inputs' own, except bf16 under Triton's interpreter: fp32 holding bf1
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, scores_log2, tanh
+from .common import LOG2E, dropout_keep, scores_log2, tanh
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a plain constexpr global, readable from jit code
 
 
 @triton.jit

@@ -34,9 +34,8 @@ integers; the launcher then asks for fp32.
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, scores_log2
+from .common import LOG2E, dropout_keep, scores_log2
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a global a jit function may read: a tl.constexpr instance
 LN2 = tl.constexpr(0.6931471805599453)
 
 

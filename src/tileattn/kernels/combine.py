@@ -12,7 +12,8 @@ empty gives out 0 and lse -inf.
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a global a jit function may read: a tl.constexpr instance
+from .common import LOG2E
+
 LN2 = tl.constexpr(0.6931471805599453)
 
 

@@ -13,7 +13,7 @@ zero means unbounded; causal is the window (left, 0) and is normalised so by the
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a global jit code may read must be a tl.constexpr instance
 
 
 @triton.jit
