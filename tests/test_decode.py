@@ -191,3 +191,24 @@ def test_decode_step_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(static_out, step(), rtol=0, atol=0)
+
+
+def test_unused_block_table_entries_may_hold_anything(backend):
+    """Entries past a sequence's last page (here -1 and out-of-pool ids) are never read or checked."""
+    gen = torch.Generator().manual_seed(26)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    k = torch.randn(2, 6, 2, 16, generator=gen)
+    v = torch.randn(2, 6, 2, 16, generator=gen)
+    table = torch.tensor([[3, 0, -1, 99], [1, 2, 77, -1]], dtype=torch.int32)
+    k_pool = torch.full((4, 4, 2, 16), float("nan"))
+    v_pool = torch.full((4, 4, 2, 16), float("nan"))
+    for b in range(2):
+        for p in range(6):
+            k_pool[table[b, p // 4], p % 4] = k[b, p]
+            v_pool[table[b, p // 4], p % 4] = v[b, p]
+    lens = torch.tensor([6, 5], dtype=torch.int32)
+    out = tileattn.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table)
+    for b in range(2):
+        n = int(lens[b])
+        torch.testing.assert_close(out[b:b + 1], tileattn.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]),
+                                   rtol=1e-5, atol=1e-5)

@@ -136,3 +136,30 @@ def check_cu_seqlens(name: str, cu, total: int, max_seqlen: int) -> None:
         fail(ValueError, f"{name} must be non-decreasing, got {values}")
     if max(lengths, default=0) > max_seqlen:
         fail(ValueError, f"a sequence in {name} has {max(lengths)} tokens, more than max_seqlen {max_seqlen}")
+
+
+def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
+                       num_blocks: int = 0) -> None:
+    """KV-cache lengths and block-table entries, read back with one device-to-host copy.
+
+    After appending ``new_tokens``, every length must fit the capacity, and every block-table
+    entry that a sequence's keys live in must index the pool (entries past a sequence's last
+    page are never read, so they may hold anything).
+    """
+    if seqlens.numel() == 0 or not value_checks_enabled(seqlens):
+        return
+    total = seqlens.long() + new_tokens
+    stats = [seqlens.min().long(), total.max()]
+    if block_table is not None and block_table.numel():
+        pages = (total + block_size - 1) // block_size  # (batch,) pages each sequence's keys occupy
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+        stats += [torch.where(used, block_table, 0).min().long(), torch.where(used, block_table, -1).max().long()]
+    lo, hi, *table = torch.stack(stats).tolist()
+    if lo < 0 or hi > capacity:
+        if new_tokens:
+            fail(IndexError, f"appending {new_tokens} tokens needs room for {hi} keys, the cache holds {capacity} "
+                             f"per sequence (cache_seqlens found {lo}..{hi - new_tokens})")
+        fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {lo}..{hi}")
+    if table and (table[0] < 0 or table[1] >= num_blocks):
+        fail(IndexError, f"block_table entries in use must index the pool's {num_blocks} blocks, "
+                         f"found {table[0]}..{table[1]}")

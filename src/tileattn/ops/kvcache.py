@@ -49,7 +49,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     V.check_qkv(q, k_cache, v_cache, packed=False)
     paged = block_table is not None
     if paged:
-        _check_block_table(block_table, batch, k_cache.shape[0], q.device)
+        _check_block_table(block_table, batch, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         if k_cache.shape[0] != batch:
@@ -58,14 +58,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
     if (k is None) != (v is None):
         V.fail(ValueError, "pass both k and v to append, or neither")
-    seqused_k = cache_seqlens
     if k is not None:
         _check_new(k, v, k_cache, batch)
-        if V.value_checks_enabled(cache_seqlens):
-            need = int(cache_seqlens.max()) + k.shape[1] if batch else 0
-            if need > capacity:
-                V.fail(IndexError, f"appending {k.shape[1]} tokens needs room for {need} keys, the cache holds "
-                                   f"{capacity} per sequence")
+    new_tokens = 0 if k is None else k.shape[1]
+    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0])
+    seqused_k = cache_seqlens
+    if k is not None:
         append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
         seqused_k = cache_seqlens + k.shape[1]
     if not isinstance(num_splits, int) or num_splits < 0:
@@ -75,13 +73,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     q = V.last_dim_contiguous(q)
     out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                         max_seqlen_k=capacity, seqused_k=seqused_k.to(torch.int32), block_table=block_table,
+                         max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
                          num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out
 
 
 def _cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:
-    """cache_seqlens as an int32 tensor (batch,), checked against the capacity in eager mode."""
+    """cache_seqlens as an int32 tensor (batch,) on q's device (values checked by the caller)."""
     if cache_seqlens is None:
         if paged:
             V.fail(ValueError, "a paged cache (block_table) needs cache_seqlens")
@@ -89,10 +87,6 @@ def _cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     V.check_int32_vector("cache_seqlens", cache_seqlens, batch, device)
-    if V.value_checks_enabled(cache_seqlens) and batch:
-        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if lo < 0 or hi > capacity:
-            V.fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {lo}..{hi}")
     return cache_seqlens
 
 

@@ -41,8 +41,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     seqused_k = None
     if paged:
-        _check_block_table(block_table, batch, k.shape[0], q.device)
+        _check_block_table(block_table, batch, q.device)
         seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        V.check_cache_values(seqused_k, 0, block_table.shape[1] * k.shape[1], block_table, k.shape[1], k.shape[0])
         cu_seqlens_k = None
     else:
         V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
@@ -83,17 +84,14 @@ def _check_pool(k_pool, v_pool, q) -> None:
     V.check_heads(q, k_pool)
 
 
-def _check_block_table(block_table, batch: int, num_blocks: int, device) -> None:
+def _check_block_table(block_table, batch: int, device) -> None:
+    """Type, shape and device of a block table (its values: ``_validate.check_cache_values``)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
         V.fail(TypeError, "block_table must be an int32 tensor of shape (batch, max_blocks_per_seq)")
     if block_table.shape[0] != batch:
         V.fail(ValueError, f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
     if block_table.device != device:
         V.fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
-    if V.value_checks_enabled(block_table) and block_table.numel():
-        lo, hi = int(block_table.min()), int(block_table.max())
-        if lo < 0 or hi >= num_blocks:
-            V.fail(IndexError, f"block_table entries must index the pool's {num_blocks} blocks, found {lo}..{hi}")
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
