@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def device(request, monkeypatch):
+    """Run a public-API test on each backend: the torch tiles on the CPU, and the Triton
+    kernels on the GPU when there is one (else on CPU tensors in Triton's interpreter)."""
+    if request.param == "triton" and HAS_CUDA:
+        return "cuda"
+    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
+    return "cpu"

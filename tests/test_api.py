@@ -13,25 +13,17 @@ import tileattn
 from tileattn import reference as R
 from tolerance import GRAD_FACTOR, as_f64, assert_within, plain_attention
 
-BACKENDS = ["cpu", "triton"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
-    return request.param
-
-
 def rand(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (5, 23, True), (23, 5, True), (33, 40, False)])
-def test_flash_attn_func_matches_reference(backend, dtype, sq, sk, causal):
+def test_flash_attn_func_matches_reference(device, dtype, sq, sk, causal):
     gen = torch.Generator().manual_seed(sq * 100 + sk)
     q, k, v = rand(gen, 2, sq, 4, 40, dtype=dtype), rand(gen, 2, sk, 2, 40, dtype=dtype), rand(gen, 2, sk, 2, 40, dtype=dtype)
-    out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out, lse, _ = tileattn.flash_attn_func(q.to(device), k.to(device), v.to(device), causal=causal,
+                                           return_attn_probs=True)
     ref_o, ref_lse = R.attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal)
     plain_o, plain_lse = plain_attention(q, k, v, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (2, 4, sq) and lse.dtype == torch.float32
@@ -39,22 +31,22 @@ def test_flash_attn_func_matches_reference(backend, dtype, sq, sk, causal):
     assert_within("lse", lse, plain_lse, ref_lse)
 
 
-def test_packed_forms_equal_unpacked(backend):
+def test_packed_forms_equal_unpacked(device):
     gen = torch.Generator().manual_seed(1)
-    qkv = rand(gen, 2, 19, 3, 4, 32)
+    qkv = rand(gen, 2, 19, 3, 4, 32).to(device)
     kv = qkv[:, :, 1:]
     base = tileattn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
     assert torch.equal(tileattn.flash_attn_qkvpacked_func(qkv, causal=True), base)
     assert torch.equal(tileattn.flash_attn_kvpacked_func(qkv[:, :, 0], kv, causal=True), base)
 
 
-def test_views_are_accepted(backend):
+def test_views_are_accepted(device):
     """Transposed and sliced inputs (last dim contiguous or not) give the contiguous answer."""
     gen = torch.Generator().manual_seed(2)
-    big = rand(gen, 2, 4, 30, 64)  # (B, H, S, D) as SDPA users hold it
+    big = rand(gen, 2, 4, 30, 64).to(device)  # (B, H, S, D) as SDPA users hold it
     q = big.transpose(1, 2)[:, :21, :, :48]  # strided view, last dim contiguous
-    k = rand(gen, 2, 48, 21, 4).permute(0, 2, 3, 1)  # last dim NOT contiguous
-    v = rand(gen, 2, 21, 4, 48)
+    k = rand(gen, 2, 48, 21, 4).to(device).permute(0, 2, 3, 1)  # last dim NOT contiguous
+    v = rand(gen, 2, 21, 4, 48).to(device)
     out = tileattn.flash_attn_func(q, k, v)
     expect = tileattn.flash_attn_func(q.contiguous(), k.contiguous(), v)
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
@@ -62,22 +54,21 @@ def test_views_are_accepted(backend):
 
 @pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
                                                         (True, (-1, -1), 3.0, True)])
-def test_gradients_match_reference(backend, causal, window, softcap, alibi):
+def test_gradients_match_reference(device, causal, window, softcap, alibi):
     gen = torch.Generator().manual_seed(3)
     dtype = torch.bfloat16
-    q = rand(gen, 1, 21, 4, 40, dtype=dtype).requires_grad_()
-    k = rand(gen, 1, 29, 2, 40, dtype=dtype).requires_grad_()
-    v = rand(gen, 1, 29, 2, 40, dtype=dtype).requires_grad_()
+    q, k, v = rand(gen, 1, 21, 4, 40, dtype=dtype), rand(gen, 1, 29, 2, 40, dtype=dtype), rand(gen, 1, 29, 2, 40, dtype=dtype)
     slopes = torch.rand(4, generator=gen) if alibi else None
     dout = rand(gen, 1, 21, 4, 40, dtype=dtype)
-    opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
-    out = tileattn.flash_attn_func(q, k, v, **opts)
-    out.backward(dout)
-    ref = R.attention_naive_grad(*(t.detach().double().numpy() for t in (q, k, v, dout)),
-                                 **{**opts, "alibi_slopes": None if slopes is None else slopes.double().numpy()})
-    qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    plain_attention(qp, kp, vp, **opts)[0].backward(dout)
-    for name, fast, plain, r in zip("qkv", (q.grad, k.grad, v.grad), (qp.grad, kp.grad, vp.grad), ref):
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    qd, kd, vd = (t.clone().to(device).requires_grad_() for t in (q, k, v))
+    out = tileattn.flash_attn_func(qd, kd, vd, alibi_slopes=None if slopes is None else slopes.to(device), **opts)
+    out.backward(dout.to(device))
+    ref = R.attention_naive_grad(*(t.double().numpy() for t in (q, k, v, dout)), **opts,
+                                 alibi_slopes=None if slopes is None else slopes.double().numpy())
+    qp, kp, vp = (t.clone().requires_grad_() for t in (q, k, v))
+    plain_attention(qp, kp, vp, alibi_slopes=slopes, **opts)[0].backward(dout)
+    for name, fast, plain, r in zip("qkv", (qd.grad, kd.grad, vd.grad), (qp.grad, kp.grad, vp.grad), ref):
         assert_within(f"d{name}", fast, plain, r, factor=GRAD_FACTOR)
 
 
@@ -91,12 +82,12 @@ def test_gradcheck_float64_cpu(monkeypatch):
                                     (q, k, v))
 
 
-def test_rows_without_keys_have_zero_output_and_gradient(backend):
+def test_rows_without_keys_have_zero_output_and_gradient(device):
     """Causal with seqlen_q > seqlen_k: the first rows see no key (bottom-right alignment)."""
     gen = torch.Generator().manual_seed(5)
-    q = rand(gen, 1, 9, 2, 16).requires_grad_()
-    k = rand(gen, 1, 4, 2, 16).requires_grad_()
-    v = rand(gen, 1, 4, 2, 16).requires_grad_()
+    q = rand(gen, 1, 9, 2, 16).to(device).requires_grad_()
+    k = rand(gen, 1, 4, 2, 16).to(device).requires_grad_()
+    v = rand(gen, 1, 4, 2, 16).to(device).requires_grad_()
     out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
     assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
@@ -105,11 +96,13 @@ def test_rows_without_keys_have_zero_output_and_gradient(backend):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_dropout_matches_reference_with_same_mask(backend):
+def test_dropout_matches_reference_with_same_mask(device):
     gen = torch.Generator().manual_seed(6)
     q, k, v = rand(gen, 2, 13, 2, 16), rand(gen, 2, 17, 2, 16), rand(gen, 2, 17, 2, 16)
     torch.manual_seed(123)
-    out, lse, probs = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True)
+    out, lse, probs = tileattn.flash_attn_func(q.to(device), k.to(device), v.to(device), dropout_p=0.25, causal=True,
+                                               return_attn_probs=True)
+    out, probs = out.cpu(), probs.cpu()
     torch.manual_seed(123)
     seed = tileattn.ops.attention.draw_dropout_seed(0.25)
     ref_o, _ = R.attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True,

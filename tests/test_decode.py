@@ -8,12 +8,6 @@ from tileattn import reference as R
 from tolerance import assert_within, plain_attention
 
 
-@pytest.fixture(params=["cpu", "triton"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
-    return request.param
-
-
 def random_table(batch, seqlen, block_size, num_blocks, gen):
     """A block table drawn from a random permutation of a pool larger than needed."""
     per_seq = -(-seqlen // block_size)
@@ -31,7 +25,7 @@ def paged_copy(x, table, block_size, num_blocks):
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_matches_reference(backend, paged, num_splits):
+def test_kvcache_matches_reference(device, paged, num_splits):
     gen = torch.Generator().manual_seed(21)
     dtype = torch.float16
     batch, cap, lens = 3, 48, torch.tensor([1, 37, 48], dtype=torch.int32)
@@ -46,8 +40,9 @@ def test_kvcache_matches_reference(backend, paged, num_splits):
         k_cache, v_cache = paged_copy(k, table, 16, 20), paged_copy(v, table, 16, 20)
     else:
         k_cache, v_cache, table = k, v, None
-    out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
-                                                num_splits=num_splits, return_softmax_lse=True)
+    out, lse = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_cache.to(device), v_cache.to(device), cache_seqlens=lens.to(device),
+        block_table=None if table is None else table.to(device), num_splits=num_splits, return_softmax_lse=True)
     for b in range(batch):
         n = int(lens[b])
         ref_o, ref_lse = R.attention_naive(q[b:b + 1].double().numpy(), k[b:b + 1, :n].double().numpy(),
@@ -58,24 +53,24 @@ def test_kvcache_matches_reference(backend, paged, num_splits):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_decoding_token_by_token_equals_prefill_rows(backend, paged):
+def test_decoding_token_by_token_equals_prefill_rows(device, paged):
     """Append one token at a time (in place) with causal attention: row t of the full causal
     prefill, for every t; the cache ends up holding exactly the keys and values."""
     gen = torch.Generator().manual_seed(22)
     batch, steps, dtype = 2, 19, torch.float32
-    q = torch.randn(batch, steps, 4, 32, generator=gen)
-    k = torch.randn(batch, steps, 2, 32, generator=gen)
-    v = torch.randn(batch, steps, 2, 32, generator=gen)
+    q = torch.randn(batch, steps, 4, 32, generator=gen).to(device)
+    k = torch.randn(batch, steps, 2, 32, generator=gen).to(device)
+    v = torch.randn(batch, steps, 2, 32, generator=gen).to(device)
     full = tileattn.flash_attn_func(q, k, v, causal=True)
     if paged:
-        k_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype)
-        v_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype)
-        table = torch.randperm(12, generator=gen)[:10].view(2, 5).to(torch.int32)
+        k_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full((12, 4, 2, 32), float("nan"), dtype=dtype, device=device)
+        table = torch.randperm(12, generator=gen)[:10].view(2, 5).to(torch.int32).to(device)
     else:
-        k_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype)
-        v_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype)
+        k_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full((batch, 24, 2, 32), float("nan"), dtype=dtype, device=device)
         table = None
-    lens = torch.zeros(batch, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32, device=device)
     for t in range(steps):
         step = tileattn.flash_attn_with_kvcache(q[:, t:t + 1], k_cache, v_cache, k=k[:, t:t + 1], v=v[:, t:t + 1],
                                                 cache_seqlens=lens, block_table=table, causal=True)
@@ -85,28 +80,30 @@ def test_decoding_token_by_token_equals_prefill_rows(backend, paged):
         torch.testing.assert_close(k_cache[:, :steps], k, rtol=0, atol=0)
 
 
-def test_chunked_prefill_with_causal_alignment(backend):
+def test_chunked_prefill_with_causal_alignment(device):
     """A chunk of 5 new tokens after 11 cached ones attends bottom-right aligned."""
     gen = torch.Generator().manual_seed(23)
-    q = torch.randn(1, 16, 2, 16, generator=gen)
-    k = torch.randn(1, 16, 2, 16, generator=gen)
-    v = torch.randn(1, 16, 2, 16, generator=gen)
+    q = torch.randn(1, 16, 2, 16, generator=gen).to(device)
+    k = torch.randn(1, 16, 2, 16, generator=gen).to(device)
+    v = torch.randn(1, 16, 2, 16, generator=gen).to(device)
     full = tileattn.flash_attn_func(q, k, v, causal=True)
-    k_cache, v_cache = torch.zeros(1, 20, 2, 16), torch.zeros(1, 20, 2, 16)
+    k_cache, v_cache = torch.zeros(1, 20, 2, 16, device=device), torch.zeros(1, 20, 2, 16, device=device)
     k_cache[:, :11], v_cache[:, :11] = k[:, :11], v[:, :11]
     out = tileattn.flash_attn_with_kvcache(q[:, 11:], k_cache, v_cache, k=k[:, 11:], v=v[:, 11:],
-                                           cache_seqlens=torch.tensor([11], dtype=torch.int32), causal=True)
+                                           cache_seqlens=torch.tensor([11], dtype=torch.int32, device=device),
+                                           causal=True)
     torch.testing.assert_close(out, full[:, 11:], rtol=1e-5, atol=1e-5)
 
 
-def test_paged_kv_cache_helper(backend):
+def test_paged_kv_cache_helper(device):
     """Prefill packed prompts into PagedKVCache, decode with it, free and reuse blocks."""
     gen = torch.Generator().manual_seed(24)
-    cache = tileattn.PagedKVCache(1, num_blocks=10, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32)
+    cache = tileattn.PagedKVCache(1, num_blocks=10, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32,
+                                  device=device)
     a, b = cache.allocate(), cache.allocate()
     lens = [6, 3]
-    k = torch.randn(sum(lens), 2, 16, generator=gen)
-    v = torch.randn(sum(lens), 2, 16, generator=gen)
+    k = torch.randn(sum(lens), 2, 16, generator=gen).to(device)
+    v = torch.randn(sum(lens), 2, 16, generator=gen).to(device)
     cu = torch.tensor([0, 6, 9], dtype=torch.int32)
     cache.reserve([a, b], 0)
     cache.reserve([a], 6)
@@ -115,8 +112,8 @@ def test_paged_kv_cache_helper(backend):
     cache.advance([a], 6)
     cache.advance([b], 3)
     assert cache.seqlens([a, b]).tolist() == [6, 3]
-    q = torch.randn(2, 1, 4, 16, generator=gen)
-    k_new, v_new = torch.randn(2, 1, 2, 16, generator=gen), torch.randn(2, 1, 2, 16, generator=gen)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(device)
+    k_new, v_new = torch.randn(2, 1, 2, 16, generator=gen).to(device), torch.randn(2, 1, 2, 16, generator=gen).to(device)
     cache.reserve([a, b], 1)
     out = tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], k=k_new, v=v_new,
                                            cache_seqlens=cache.seqlens([a, b]), block_table=cache.block_table([a, b]),
@@ -193,7 +190,7 @@ def test_decode_step_replays_from_a_cuda_graph():
     torch.testing.assert_close(static_out, step(), rtol=0, atol=0)
 
 
-def test_unused_block_table_entries_may_hold_anything(backend):
+def test_unused_block_table_entries_may_hold_anything(device):
     """Entries past a sequence's last page (here -1 and out-of-pool ids) are never read or checked."""
     gen = torch.Generator().manual_seed(26)
     q = torch.randn(2, 1, 4, 16, generator=gen)
@@ -207,7 +204,9 @@ def test_unused_block_table_entries_may_hold_anything(backend):
             k_pool[table[b, p // 4], p % 4] = k[b, p]
             v_pool[table[b, p // 4], p % 4] = v[b, p]
     lens = torch.tensor([6, 5], dtype=torch.int32)
-    out = tileattn.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table)
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    out = tileattn.flash_attn_with_kvcache(q, k_pool.to(device), v_pool.to(device), cache_seqlens=lens.to(device),
+                                           block_table=table.to(device))
     for b in range(2):
         n = int(lens[b])
         torch.testing.assert_close(out[b:b + 1], tileattn.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]),

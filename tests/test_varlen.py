@@ -8,18 +8,12 @@ from tileattn import reference as R
 from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
 
-@pytest.fixture(params=["cpu", "triton"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TILEATTN_BACKEND", request.param)
-    return request.param
-
-
 def cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_equals_each_sequence_alone(backend, causal):
+def test_varlen_equals_each_sequence_alone(device, causal):
     gen = torch.Generator().manual_seed(11)
     lens_q, lens_k = [5, 0, 17, 1, 9], [7, 3, 17, 4, 2]  # a zero-length query sequence, sq > sk and sq < sk
     dtype = torch.bfloat16
@@ -27,12 +21,13 @@ def test_varlen_equals_each_sequence_alone(backend, causal):
     k = torch.randn(sum(lens_k), 2, 40, generator=gen).to(dtype).requires_grad_()
     v = torch.randn(sum(lens_k), 2, 40, generator=gen).to(dtype).requires_grad_()
     cq, ck = cu(lens_q), cu(lens_k)
-    out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal,
-                                                  return_attn_probs=True)
+    qd, kd, vd = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+    out, lse, _ = tileattn.flash_attn_varlen_func(qd, kd, vd, cq.to(device), ck.to(device), max(lens_q), max(lens_k),
+                                                  causal=causal, return_attn_probs=True)
     assert out.shape == q.shape and lse.shape == (4, sum(lens_q))
     ref_o, ref_lse = R.attention_varlen(*(t.detach().double().numpy() for t in (q, k, v)), cq.numpy(), ck.numpy(),
                                         causal=causal)
-    plain_o, plain_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    plain_o, plain_lse = torch.zeros(out.shape, dtype=dtype), torch.full(lse.shape, float("-inf"))
     for b in range(len(lens_q)):
         qs, qe, ks, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if qe > qs:
@@ -44,7 +39,7 @@ def test_varlen_equals_each_sequence_alone(backend, causal):
 
     # gradients: each sequence's own dense gradient
     dout = torch.randn(out.shape, generator=gen).to(dtype)
-    out.backward(dout)
+    out.backward(dout.to(device))
     grads_dense = [torch.zeros_like(t) for t in (q, k, v)]
     grads_ref = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
     for b in range(len(lens_q)):
@@ -58,21 +53,21 @@ def test_varlen_equals_each_sequence_alone(backend, causal):
         for acc, acc_ref, p, r, (s, e) in zip(grads_dense, grads_ref, parts, ref, ((qs, qe), (ks, ke), (ks, ke))):
             acc[s:e] = p.grad[0]
             acc_ref[s:e] = torch.from_numpy(r[0])
-    for name, fast, plain, r in zip("qkv", (q.grad, k.grad, v.grad), grads_dense, grads_ref):
+    for name, fast, plain, r in zip("qkv", (qd.grad, kd.grad, vd.grad), grads_dense, grads_ref):
         assert_within(f"d{name}", fast, plain, r, factor=GRAD_FACTOR)
 
 
-def test_varlen_packed_forms(backend):
+def test_varlen_packed_forms(device):
     gen = torch.Generator().manual_seed(12)
     lens = [3, 8, 5]
-    qkv = torch.randn(sum(lens), 3, 2, 16, generator=gen)
-    c = cu(lens)
+    qkv = torch.randn(sum(lens), 3, 2, 16, generator=gen).to(device)
+    c = cu(lens).to(device)
     base = tileattn.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], c, c, 8, 8, causal=True)
     assert torch.equal(tileattn.flash_attn_varlen_qkvpacked_func(qkv, c, 8, causal=True), base)
     assert torch.equal(tileattn.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], c, c, 8, 8, causal=True), base)
 
 
-def test_varlen_over_a_paged_pool(backend):
+def test_varlen_over_a_paged_pool(device):
     """Keys read through a block table: a random permutation of a larger pool, unused slots NaN."""
     gen = torch.Generator().manual_seed(13)
     lens_q, lens_k, block = [4, 1, 6], [9, 30, 6], 4
@@ -92,11 +87,12 @@ def test_varlen_over_a_paged_pool(backend):
             pool_k[blocks[used], : chunk.stop - chunk.start] = kb[chunk]
             pool_v[blocks[used], : chunk.stop - chunk.start] = vb[chunk]
             used += 1
-    cq, ck = cu(lens_q), cu(lens_k)
+    q, pool_k, pool_v, table = q.to(device), pool_k.to(device), pool_v.to(device), table.to(device)
+    cq, ck = cu(lens_q).to(device), cu(lens_k).to(device)
     out = tileattn.flash_attn_varlen_func(q, pool_k, pool_v, cq, ck, max(lens_q), max(lens_k), causal=True,
                                           block_table=table)
-    expect = tileattn.flash_attn_varlen_func(q, torch.cat(keys), torch.cat(values), cq, ck, max(lens_q), max(lens_k),
-                                             causal=True)
+    expect = tileattn.flash_attn_varlen_func(q, torch.cat(keys).to(device), torch.cat(values).to(device), cq, ck,
+                                             max(lens_q), max(lens_k), causal=True)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
