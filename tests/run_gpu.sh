@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU correctness run, on the device machine from the repository root:
+#
+#     bash tests/run_gpu.sh            # logs under $OUT (default gpu_out/), a summary last
+#
+# 1. the whole test suite on the GPU: the public-API tests (test_api, test_varlen,
+#    test_decode) then run the Triton kernels on CUDA tensors, test_triton_* compile their
+#    cases for the GPU, and the `gpu`-marked tests run (large shapes, CUDA graphs, bf16
+#    transformers models, ring attention on NCCL);
+# 2. examples/serve.py on CUDA (paged cache, decoding replayed from a CUDA graph, every
+#    answer checked against a full recomputation);
+# 3. ring attention's GPU path at world size 1 under torchrun;
+# 4. `tileattn demo`, whose table (d) then shows the GPU rows.
+# A failing step never stops the next one; every step has a time limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-gpu_out}"
+PY="${PYTHON:-python}"
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s, at ${SECONDS}s) ==="
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "$name rc=$rc (${SECONDS}s)" >> "$OUT/summary.txt"
+}
+
+step pytest "${PYTEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests
+step serve 90 "$PY" examples/serve.py --device cuda
+step ring1 90 torchrun --nproc_per_node 1 benchmarks/ring.py --tokens 8192 --reps 3
+step demo 60 "$PY" -m tileattn.cli demo
+echo "=== summary ==="
+cat "$OUT/summary.txt"
