@@ -10,6 +10,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# In CI, hypothesis draws the same examples every run (seeded, reproducible); locally it
+# explores new ones each time.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
