@@ -17,6 +17,7 @@ Choices made here:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -77,7 +78,13 @@ _attn_fwd_tuned = triton.autotune(
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda" or _interpreting():
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (asked once: a decoding step calls this every time)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _auto_splits(programs: int, key_blocks: int, device: torch.device) -> int:
