@@ -7,7 +7,7 @@ the device (no ``.item()``), so decoding can be captured in a CUDA graph.
 Choices made here:
 
 * prefill (many query rows): autotuned tiles (``_prefill_configs``) keyed on head dim,
-  causality and dtype; one fixed config under ``TRITON_INTERPRET=1``;
+  causality, dtype and a sequence-length bucket; one fixed config under ``TRITON_INTERPRET=1``;
 * few query rows per KV head group (``max_seqlen_q <= PACK_GQA_MAX_SEQLEN_Q`` with GQA):
   ``PACK_GQA`` puts the group's heads into the tile's rows, so each K/V tile is read once per
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
@@ -68,11 +68,25 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or [configs[-1]]
 
 
-_attn_fwd_tuned = triton.autotune(
-    configs=_prefill_configs(),
-    key=["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(_attn_fwd_kernel)
+def length_bucket(*seqlens: int) -> int:
+    """0, 1 or 2 for at most 1k, 4k, or more tokens: the autotuner keeps one choice per bucket."""
+    n = max(seqlens)
+    return 0 if n <= 1024 else 1 if n <= 4096 else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_fwd_tuned(bucket: int):
+    """The autotuned forward for one sequence-length bucket (``length_bucket``).
+
+    The tiles that win at 512 tokens (launch-bound, few key blocks) need not win at 16k, and an
+    autotuner's key can only name kernel arguments, so each bucket gets an autotuner of its own
+    over the same jit function (compiled variants are shared; only the timing is redone).
+    """
+    return triton.autotune(
+        configs=_prefill_configs(),
+        key=["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+    )(_attn_fwd_kernel)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -205,7 +219,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         stages = 3 if _smem_bytes(block_m, block_n, 3, head_dim_pad, q.element_size()) <= SMEM_BUDGET else 2
         _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
     else:
-        _attn_fwd_tuned[grid](*args, **flags)
+        _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))[grid](*args, **flags)
 
     if split_kv:
         _combine(o_dst, l_dst, out, lse, varlen, head_dim, head_dim_pad)

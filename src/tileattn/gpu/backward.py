@@ -6,6 +6,7 @@ forward's out and lse, it writes dq, dk, dv (in their own dtype; accumulation is
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -14,6 +15,7 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
+from .attention import length_bucket
 
 __all__ = ["attn_bwd"]
 
@@ -57,10 +59,14 @@ def _pruner(kind: str):
 
 
 _TUNE_KEY = ["HEAD_DIM_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
-_dkdv_tuned = triton.autotune(_configs("dkdv"), key=_TUNE_KEY,
-                              prune_configs_by={"early_config_prune": _pruner("dkdv")})(_attn_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(_configs("dq"), key=_TUNE_KEY,
-                            prune_configs_by={"early_config_prune": _pruner("dq")})(_attn_bwd_dq_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kind: str, bucket: int):
+    """The autotuned dkdv or dq kernel for one sequence-length bucket (``length_bucket``): one
+    autotuner per bucket over the same jit function, since a key can only name kernel arguments."""
+    kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
+    return triton.autotune(_configs(kind), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner(kind)})(kernel)
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -147,13 +153,14 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
               *_rows_strides(q, varlen), *_rows_strides(k, varlen), *_rows_strides(v, varlen),
               *_rows_strides(dout, varlen))
     fixed = deterministic or _interpreting()
+    bucket = length_bucket(seqlen_q, seqlen_k)
     if seqlen_k > 0:
-        _launch(_dkdv_tuned, _configs("dkdv", (head_dim_p,))[0] if fixed else None,
+        _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,))[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
                  *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta)
     if seqlen_q > 0:
-        _launch(_dq_tuned, _configs("dq", (head_dim_p,))[0] if fixed else None,
+        _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,))[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
                  *alibi_strides, *scalars), meta)
