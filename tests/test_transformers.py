@@ -233,6 +233,17 @@ def test_segmented_padding_equals_unpadding(cpu_backend, left):
     torch.testing.assert_close(segmented[real_queries], exact[real_queries], rtol=0, atol=1e-6)
 
 
+def test_segmented_path_refuses_a_mask_with_holes(cpu_backend):
+    """The compile-time path cannot cut a row whose real tokens are not one run: it must fail, not guess."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, n, 2, 16, generator=gen) for n in (4, 8, 8))
+    keys_real = torch.ones(2, 8, dtype=torch.bool)
+    keys_real[1, 2] = False  # a hole in the middle of row 1
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    with pytest.raises(RuntimeError, match="one run"):
+        tt._segmented_attention(q, k, v, keys_real, 4, options)
+
+
 def test_unsupported_requests_raise(cpu_backend):
     model = make_model("llama", seed=15)
     model.set_attn_implementation("tileattn")

@@ -160,8 +160,8 @@ def _segmented_attention(q, k, v, keys_real, first_query: int, options: dict) ->
     """The same without reading the mask on the host (static shapes, for torch.compile).
 
     Assumes the real tokens of each row form one run [start, end) of key positions — left
-    or right padding, as tokenizers and generate() produce (a mask with holes needs eager
-    mode). Every row becomes three sequences of one varlen batch over all batch x seqlen rows:
+    or right padding, as tokenizers and generate() produce; a mask with holes fails a
+    device-side assertion (eager mode handles any mask). Every row becomes three sequences of one varlen batch over all batch x seqlen rows:
     the padding before the run, the run, the padding after it. Padded query rows attend among
     padding: finite values nobody reads.
     """
@@ -169,6 +169,10 @@ def _segmented_attention(q, k, v, keys_real, first_query: int, options: dict) ->
     pos = torch.arange(seqlen_k, device=q.device)
     start = torch.where(keys_real, pos, seqlen_k).amin(1)  # (batch,), seqlen_k for a row without real keys
     end = torch.maximum(torch.where(keys_real, pos + 1, 0).amax(1), start)
+    # A mask with holes would be cut wrongly: refuse it on the device (no host read under compile).
+    torch._assert_async((keys_real.sum(1) == end - start).all(),
+                        "tileattn under torch.compile needs the real tokens of each row in one run (left or right "
+                        "padding); a padding mask with holes needs eager mode")
     bounds_k = torch.stack([torch.zeros_like(start), start, end], 1)  # (batch, 3) key positions
     bounds_q = (bounds_k - first_query).clamp(0, seqlen_q)  # the same cuts among the queries
     rows = torch.arange(batch, device=q.device)[:, None]
