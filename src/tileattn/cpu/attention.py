@@ -45,6 +45,7 @@ __all__ = ["attn_fwd", "attn_bwd"]
 BLOCK_M = 256  # query rows per block
 BLOCK_N = 512  # keys per tile
 TILE_ELEMS = 1 << 21  # score-tile elements (chunk x G x block_m x block_n) at most
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 # ------------------------------------------------------------------ sequences and views
@@ -127,13 +128,22 @@ class _Tiles:
         self.Sq, self.Sk, self.H, self.G = Sq, Sk, H, H // Hk
         self.off = Sk - Sq
         self.cap = params.softcap
-        # q is pre-multiplied by qscale so that bmm gives scale * q.k (or that / cap)
-        self.qscale = params.softmax_scale / self.cap if self.cap > 0 else params.softmax_scale
+        # q is pre-multiplied by qscale so that bmm gives scale * q.k in log2 units (or the
+        # natural scores / cap, whose tanh is then scaled by cap * log2(e))
+        self.qscale = params.softmax_scale / self.cap if self.cap > 0 else params.softmax_scale * LOG2E
         self.acc = acc
-        self.neg_slopes = None if slopes is None else (-slopes.to(acc)).reshape(-1, self.G)  # [B * Hk, G]
+        self.neg_slopes = None if slopes is None else (-LOG2E * slopes.to(acc)).reshape(-1, self.G)  # [B * Hk, G]
         self.b0 = b0
         self.bm, self.bn = max(1, min(block_m, Sq)), max(1, min(block_n, Sk))
         self.chunk = max(1, tile_elems // (self.G * self.bm * self.bn))
+        self._bufs = {}
+
+    def buffer(self, name, shape):
+        """A reused tile-sized scratch tensor of ``shape`` (fresh pages per tile are slow)."""
+        n = math.prod(shape)
+        if name not in self._bufs or self._bufs[name].numel() < n:
+            self._bufs[name] = torch.empty(max(n, self.chunk * self.G * self.bm * self.bn), dtype=self.acc)
+        return self._bufs[name][:n].view(shape)
 
     def key_range(self, i0, i1, lo, hi):
         """Keys in [lo, hi) that some query row of [i0, i1) may see (window bounds)."""
@@ -152,14 +162,14 @@ class _Tiles:
     def scores(self, q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=False):
         """Masked scores [c, G * rows, keys] of q_t [c, G * rows, D] against k_t [c, keys, D];
         with ``keep_tanh`` also returns tanh(raw / cap) for the softcap derivative."""
-        s = torch.bmm(q_t, k_t.transpose(1, 2))  # [c, G*mr, n]
+        s = torch.bmm(q_t, k_t.transpose(1, 2), out=self.buffer("s", (q_t.shape[0], q_t.shape[1], k_t.shape[1])))  # [c, G*mr, n]
         th = None
         if self.cap > 0:
             if keep_tanh:
                 th = s.tanh_()
-                s = th * self.cap
+                s = th * (self.cap * LOG2E)
             else:
-                s.tanh_().mul_(self.cap)
+                s.tanh_().mul_(self.cap * LOG2E)
         s4 = s.view(s.shape[0], self.G, i1 - i0, j1 - j0)  # [c, G, mr, n]
         rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
         cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
@@ -215,14 +225,14 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
         m_tile = s.amax(dim=-1)  # [c, G*mr]
         m_new = m_tile if m is None else torch.maximum(m, m_tile)
         m_use = m_new.masked_fill(m_new.isneginf(), 0.0)  # the fully-masked guard
-        p = s.sub_(m_use.unsqueeze(-1)).exp_()
+        p = s.sub_(m_use.unsqueeze(-1)).exp2_()
         l_tile = p.sum(dim=-1)  # the softmax's denominator ignores dropout
         if T.p.dropout_p > 0:
             p.mul_(T.keep(t0, c, i0, i1, j0, j1))  # keep / (1 - dropout_p)
         if o is None:
             o, l = torch.bmm(p, vc[t0:t1, j0:j1]), l_tile  # [c, G*mr, Dv]
         else:
-            alpha = (m - m_use).exp_()  # [c, G*mr]
+            alpha = (m - m_use).exp2_()  # [c, G*mr]
             l = l.mul_(alpha).add_(l_tile)
             o = o.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vc[t0:t1, j0:j1])
         m = m_new
@@ -230,7 +240,7 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
         return None
     empty = l == 0
     inv = torch.where(empty, 0.0, 1.0 / l)
-    lse = torch.where(empty, float("-inf"), m + l.log())
+    lse = torch.where(empty, float("-inf"), m * LN2 + l.log())
     return o.mul_(inv.unsqueeze(-1)), lse
 
 
@@ -313,7 +323,7 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     doc = _heads_first(do4, acc)  # [B*H, Sq, Dv]
     delta = (doc * _heads_first(o4, acc)).sum(dim=-1)  # [B*H, Sq]
-    lse_c = lse3.reshape(B * H, Sq).to(acc)
+    lse_c = lse3.reshape(B * H, Sq).to(acc) * LOG2E
     lse_c = lse_c.masked_fill(lse_c.isneginf(), float("inf"))  # rows with no key: p = 0
     dq_buf = torch.zeros(B * H, Sq, D, dtype=acc)
     dk_buf, dv_buf = torch.zeros(B * Hk, Sk, D, dtype=acc), torch.zeros(B * Hk, Sk, Dv, dtype=acc)
@@ -331,19 +341,22 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
                 j1 = min(j0 + T.bn, hi)
                 k_t, v_t = kc[t0:t1, j0:j1], vc[t0:t1, j0:j1]  # [c, n, D]
                 s, th = T.scores(q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=True)
-                p = s.sub_(lse_t).exp_()  # [c, G*mr, n] normalised probabilities
-                dp = torch.bmm(do_t, v_t.transpose(1, 2))  # [c, G*mr, n]
+                p = s.sub_(lse_t).exp2_()  # [c, G*mr, n] normalised probabilities
+                dp = torch.bmm(do_t, v_t.transpose(1, 2), out=T.buffer("dp", s.shape))  # [c, G*mr, n]
+                kv_shape = (t1 - t0, j1 - j0, Dv)
                 if params.dropout_p > 0:
                     z = T.keep(t0, t1 - t0, i0, i1, j0, j1)
-                    dv_buf[t0:t1, j0:j1].baddbmm_((p * z).transpose(1, 2), do_t)
+                    dv_t = torch.bmm((p * z).transpose(1, 2), do_t, out=T.buffer("dkv", kv_shape))
                     dp.mul_(z)
                 else:
-                    dv_buf[t0:t1, j0:j1].baddbmm_(p.transpose(1, 2), do_t)
+                    dv_t = torch.bmm(p.transpose(1, 2), do_t, out=T.buffer("dkv", kv_shape))
+                # a batched matmul needs a contiguous output: the slices of dk/dv_buf are not
+                dv_buf[t0:t1, j0:j1] += dv_t
                 ds = dp.sub_(delta_t).mul_(p)
                 if th is not None:
                     ds.mul_(th.square_().neg_().add_(1.0))
                 dq_t.baddbmm_(ds, k_t)
-                dk_buf[t0:t1, j0:j1].baddbmm_(ds.transpose(1, 2), q_t)
+                dk_buf[t0:t1, j0:j1] += torch.bmm(ds.transpose(1, 2), q_t, out=T.buffer("dkv", (t1 - t0, j1 - j0, D)))
             _scatter_q(dq_buf, dq_t, t0, t1, T.G, i0, i1)
     # q was multiplied by qscale: dk = scale ds^T q = (scale / qscale) ds^T (qscale q)
     dq4.copy_(dq_buf.mul_(params.softmax_scale).view(B, H, Sq, D).transpose(1, 2))
