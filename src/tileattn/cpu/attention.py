@@ -159,10 +159,16 @@ class _Tiles:
         left, right = self.p.window_left, self.p.window_right
         return (right >= 0 and j1 - 1 > i0 + self.off + right) or (left >= 0 and j0 < i1 - 1 + self.off - left)
 
-    def scores(self, q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=False):
-        """Masked scores [c, G * rows, keys] of q_t [c, G * rows, D] against k_t [c, keys, D];
-        with ``keep_tanh`` also returns tanh(raw / cap) for the softcap derivative."""
-        s = torch.bmm(q_t, k_t.transpose(1, 2), out=self.buffer("s", (q_t.shape[0], q_t.shape[1], k_t.shape[1])))  # [c, G*mr, n]
+    def scores(self, q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=False, keys_first=False):
+        """Masked scores [c, G * rows, keys] of q_t [c, G * rows, D] against k_t [c, keys, D]
+        in log2 units, or with ``keys_first`` their transpose [c, keys, G * rows] (the
+        backward's matmuls run faster on it); with ``keep_tanh`` also returns
+        tanh(raw / cap) in the same layout for the softcap derivative."""
+        c, gm, n = q_t.shape[0], q_t.shape[1], k_t.shape[1]
+        if keys_first:
+            s = torch.bmm(k_t, q_t.transpose(1, 2), out=self.buffer("s", (c, n, gm)))  # [c, n, G*mr]
+        else:
+            s = torch.bmm(q_t, k_t.transpose(1, 2), out=self.buffer("s", (c, gm, n)))  # [c, G*mr, n]
         th = None
         if self.cap > 0:
             if keep_tanh:
@@ -170,11 +176,12 @@ class _Tiles:
                 s = th * (self.cap * LOG2E)
             else:
                 s.tanh_().mul_(self.cap * LOG2E)
-        s4 = s.view(s.shape[0], self.G, i1 - i0, j1 - j0)  # [c, G, mr, n]
+        # s4 [c, G, mr, n] and tile-shaped masks [mr, n] are views of s in either layout
+        s4 = s.view(c, n, self.G, i1 - i0).permute(0, 2, 3, 1) if keys_first else s.view(c, self.G, i1 - i0, n)
         rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
         cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
         if self.neg_slopes is not None:
-            slopes = self.neg_slopes[t0:t0 + s.shape[0]].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
+            slopes = self.neg_slopes[t0:t0 + c].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
             s4.addcmul_(slopes, (rows - cols).abs())
         if self.needs_mask(i0, i1, j0, j1):
             left, right = self.p.window_left, self.p.window_right
@@ -333,30 +340,31 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
             i1 = min(i0 + T.bm, Sq)
             q_t = _gather_q(qc, t0, t1, T.G, i0, i1)  # [c, G*mr, D]
             do_t = _gather_q(doc, t0, t1, T.G, i0, i1)  # [c, G*mr, Dv]
-            lse_t = _gather_q(lse_c.unsqueeze(-1), t0, t1, T.G, i0, i1)  # [c, G*mr, 1]
-            delta_t = _gather_q(delta.unsqueeze(-1), t0, t1, T.G, i0, i1)  # [c, G*mr, 1]
+            lse_t = _gather_q(lse_c.unsqueeze(-1), t0, t1, T.G, i0, i1).transpose(1, 2)  # [c, 1, G*mr]
+            delta_t = _gather_q(delta.unsqueeze(-1), t0, t1, T.G, i0, i1).transpose(1, 2)  # [c, 1, G*mr]
             dq_t = torch.zeros_like(q_t)
             lo, hi = T.key_range(i0, i1, 0, Sk)
             for j0 in range(lo, hi, T.bn):
                 j1 = min(j0 + T.bn, hi)
                 k_t, v_t = kc[t0:t1, j0:j1], vc[t0:t1, j0:j1]  # [c, n, D]
-                s, th = T.scores(q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=True)
-                p = s.sub_(lse_t).exp2_()  # [c, G*mr, n] normalised probabilities
-                dp = torch.bmm(do_t, v_t.transpose(1, 2), out=T.buffer("dp", s.shape))  # [c, G*mr, n]
+                # tiles are transposed (keys first): p^T, dp^T, ds^T are [c, n, G*mr]
+                s, th = T.scores(q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=True, keys_first=True)
+                p = s.sub_(lse_t).exp2_()  # normalised probabilities
+                dp = torch.bmm(v_t, do_t.transpose(1, 2), out=T.buffer("dp", s.shape))
                 kv_shape = (t1 - t0, j1 - j0, Dv)
                 if params.dropout_p > 0:
-                    z = T.keep(t0, t1 - t0, i0, i1, j0, j1)
-                    dv_t = torch.bmm((p * z).transpose(1, 2), do_t, out=T.buffer("dkv", kv_shape))
+                    z = T.keep(t0, t1 - t0, i0, i1, j0, j1).transpose(1, 2)
+                    dv_t = torch.bmm(p * z, do_t, out=T.buffer("dkv", kv_shape))
                     dp.mul_(z)
                 else:
-                    dv_t = torch.bmm(p.transpose(1, 2), do_t, out=T.buffer("dkv", kv_shape))
+                    dv_t = torch.bmm(p, do_t, out=T.buffer("dkv", kv_shape))
                 # a batched matmul needs a contiguous output: the slices of dk/dv_buf are not
                 dv_buf[t0:t1, j0:j1] += dv_t
                 ds = dp.sub_(delta_t).mul_(p)
                 if th is not None:
                     ds.mul_(th.square_().neg_().add_(1.0))
-                dq_t.baddbmm_(ds, k_t)
-                dk_buf[t0:t1, j0:j1] += torch.bmm(ds.transpose(1, 2), q_t, out=T.buffer("dkv", (t1 - t0, j1 - j0, D)))
+                dq_t.baddbmm_(ds.transpose(1, 2), k_t)
+                dk_buf[t0:t1, j0:j1] += torch.bmm(ds, q_t, out=T.buffer("dkv", (t1 - t0, j1 - j0, D)))
             _scatter_q(dq_buf, dq_t, t0, t1, T.G, i0, i1)
     # q was multiplied by qscale: dk = scale ds^T q = (scale / qscale) ds^T (qscale q)
     dq4.copy_(dq_buf.mul_(params.softmax_scale).view(B, H, Sq, D).transpose(1, 2))
