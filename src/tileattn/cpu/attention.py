@@ -26,6 +26,13 @@ in a fixed order, so gradients are bitwise reproducible. Extra memory: fp32 (fp6
 float64 inputs) copies of q, k, v, out-sized buffers, i.e. O(N * D), plus score tiles of
 at most ``tile_elems`` elements; never N x N.
 
+The code keeps scores in log2 units (``scale * log2(e)`` is folded into the copy of q, or
+``cap * log2(e)`` into the softcap and ``log2(e)`` into the alibi slopes) and uses ``exp2``,
+which torch evaluates several times faster than ``exp`` on CPUs; the stored lse is
+``ln(2) * m + log l``. Score tiles are written into reused buffers, and the backward's
+tiles are transposed (keys first, ``[c, keys, G * rows]``), the layout in which its
+batched matmuls run fastest.
+
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
 """
