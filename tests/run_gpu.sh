@@ -6,7 +6,10 @@
 # 1. the whole test suite on the GPU: the public-API tests (test_api, test_varlen,
 #    test_decode) then run the Triton kernels on CUDA tensors, test_triton_* compile their
 #    cases for the GPU, and the `gpu`-marked tests run (large shapes, CUDA graphs, bf16
-#    transformers models, ring attention on NCCL);
+#    transformers models, ring attention on NCCL). With TILEATTN_AUTOTUNE=0 (the default
+#    here; set it to 1 to test the autotuned path) each kernel runs its first-choice tile
+#    instead of timing every config of every new shape class, which a cold machine cannot
+#    afford in a test run; benchmarks/run_gpu.sh autotunes and checks its outputs;
 # 2. examples/serve.py on CUDA (paged cache, decoding replayed from a CUDA graph, every
 #    answer checked against a full recomputation);
 # 3. ring attention's GPU path at world size 1 under torchrun;
@@ -31,6 +34,7 @@ step() {  # name, seconds, command...
   echo "$name rc=$rc (${SECONDS}s)" >> "$OUT/summary.txt"
 }
 
+export TILEATTN_AUTOTUNE="${TILEATTN_AUTOTUNE:-0}"
 step pytest "${PYTEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests
 step serve 90 "$PY" examples/serve.py --device cuda
 step ring1 90 torchrun --nproc_per_node 1 benchmarks/ring.py --tokens 8192 --reps 3

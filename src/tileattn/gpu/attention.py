@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -29,6 +28,7 @@ from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..ops.backend import AttnParams
+from ._tuning import autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_fwd"]
 
@@ -42,13 +42,9 @@ SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the c
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _prefill_configs():
     """The autotune set: (BLOCK_M, BLOCK_N, num_warps, num_stages) that suit Hopper."""
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
     shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
               (64, 32, 4, 2)]
@@ -68,12 +64,6 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or [configs[-1]]
 
 
-def length_bucket(*seqlens: int) -> int:
-    """0, 1 or 2 for at most 1k, 4k, or more tokens: the autotuner keeps one choice per bucket."""
-    n = max(seqlens)
-    return 0 if n <= 1024 else 1 if n <= 4096 else 2
-
-
 @functools.lru_cache(maxsize=None)
 def _attn_fwd_tuned(bucket: int):
     """The autotuned forward for one sequence-length bucket (``length_bucket``).
@@ -90,7 +80,7 @@ def _attn_fwd_tuned(bucket: int):
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or interpreting():
         return 1
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -190,7 +180,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
 
     dropout_p = params.dropout_p
     dot_dtype = _DOT_DTYPES[q.dtype]
-    if _interpreting() and q.dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
+    if interpreting() and q.dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
         dot_dtype = tl.float32
     args = (
         q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
@@ -218,8 +208,11 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     if decode:
         stages = 3 if _smem_bytes(block_m, block_n, 3, head_dim_pad, q.element_size()) <= SMEM_BUDGET else 2
         _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
-    else:
+    elif autotune_enabled():
         _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))[grid](*args, **flags)
+    else:  # the first config that fits in shared memory
+        cfg = _prune_configs(_prefill_configs(), {"Q": q}, HEAD_DIM_PAD=head_dim_pad)[0]
+        _attn_fwd_kernel[grid](*args, **flags, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if split_kv:
         _combine(o_dst, l_dst, out, lse, varlen, head_dim, head_dim_pad)

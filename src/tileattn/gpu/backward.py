@@ -7,7 +7,6 @@ forward's out and lse, it writes dq, dk, dv (in their own dtype; accumulation is
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -15,16 +14,12 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
-from .attention import length_bucket
+from ._tuning import autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_bwd"]
 
 _MAX_GRID_YZ = 65535
 _PREPROCESS_BLOCK = 64
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
@@ -33,7 +28,7 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
     dkdv keeps a key block (BLOCK_N rows of k, v, dk, dv) resident and streams query blocks,
     dq keeps a query block resident and streams key blocks: the resident side is the large one.
     """
-    if _interpreting():  # small tiles: the tests walk several blocks in a few hundred tokens
+    if interpreting():  # small tiles: the tests walk several blocks in a few hundred tokens
         return [(32, 16, 4, 1)]
     if head_dim_p <= 64:
         return [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)]
@@ -73,7 +68,7 @@ def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of the matmuls: the inputs' own, except bf16 under Triton 3.6's interpreter,
     whose tl.dot multiplies bf16 bit patterns as integers; there the operands (already rounded
     to bf16) are widened to fp32."""
-    if dtype == torch.bfloat16 and _interpreting():
+    if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
@@ -152,7 +147,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     common = (cu_seqlens_q, cu_seqlens_k, alibi_slopes,
               *_rows_strides(q, varlen), *_rows_strides(k, varlen), *_rows_strides(v, varlen),
               *_rows_strides(dout, varlen))
-    fixed = deterministic or _interpreting()
+    fixed = deterministic or interpreting() or not autotune_enabled()
     bucket = length_bucket(seqlen_q, seqlen_k)
     if seqlen_k > 0:
         _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,))[0] if fixed else None,
