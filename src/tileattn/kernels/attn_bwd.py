@@ -27,7 +27,7 @@ dtype (the inputs' own, except bf16 under Triton's interpreter: fp32 holding bf1
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, scores_log2, tanh
+from .common import LOG2E, dropout_keep, scores_log2, sequence_bounds, tanh
 
 
 
@@ -156,13 +156,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
     start_n = tl.program_id(0) * BLOCK_N
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    q_start = tl.full([], 0, tl.int32)
-    k_start = tl.full([], 0, tl.int32)
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q_ptr + b)
-        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k_ptr + b)
-        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q,
+                                                           seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:
         return
     diag_off = seqlen_k - seqlen_q
@@ -287,13 +282,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    q_start = tl.full([], 0, tl.int32)
-    k_start = tl.full([], 0, tl.int32)
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q_ptr + b)
-        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k_ptr + b)
-        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q,
+                                                           seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     diag_off = seqlen_k - seqlen_q

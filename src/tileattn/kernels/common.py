@@ -64,6 +64,20 @@ def scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope
 
 
 @triton.jit
+def sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k) of sequence ``b``: its first packed row and its
+    lengths from cu_seqlens when IS_VARLEN, else row 0 and the lengths given."""
+    q_start = tl.full([], 0, tl.int32)
+    k_start = tl.full([], 0, tl.int32)
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + b)
+        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + b)
+        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
 def fmix32(h):
     """MurmurHash3's finaliser on uint32 (wrapping arithmetic); twin of tileattn.dropout_mask."""
     h = h ^ (h >> 16)
