@@ -144,7 +144,7 @@ def test_paged_kv_cache_helper(device):
     (lambda a: {**a, "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16),
                 "cache_seqlens": None}, ValueError, "cache_seqlens"),
-    (lambda a: {**a, "rotary_cos": torch.ones(8, 8)}, NotImplementedError, "rotary_cos"),
+    (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, NotImplementedError, "cache_batch_idx"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
 ])

@@ -10,7 +10,10 @@ max_blocks) int32, where key p of sequence b lives at
 positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1, then q attends to all
 cache_seqlens[b] + seqlen_new keys; causal is aligned bottom-right, so a q of seqlen_new
 tokens is exactly the tail of the sequence. (The caller advances cache_seqlens afterwards,
-as with flash-attn.)
+as with flash-attn.) With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
+keys are rotated at their positions before they are written, and q at the same positions
+when causal or local (otherwise all of q at position cache_seqlens), pairing features
+GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.ops.rotary``).
 
 When batch x heads cannot fill the GPU the keys are split across thread blocks
 (flash-decoding) and the partial (o, lse) states merged; ``num_splits=0`` picks the split
@@ -24,6 +27,7 @@ import torch
 
 from . import _validate as V
 from ._custom import attention
+from .rotary import apply_rotary, check_rotary
 from .varlen import _check_block_table, _check_pool
 
 __all__ = ["flash_attn_with_kvcache", "append_to_cache"]
@@ -38,8 +42,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad)):
+    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by tileattn yet")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -61,8 +64,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         _check_new(k, v, k_cache, batch)
     new_tokens = 0 if k is None else k.shape[1]
-    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0])
+    rotary_len = None
+    if (rotary_cos is None) != (rotary_sin is None):
+        V.fail(ValueError, "pass both rotary_cos and rotary_sin, or neither")
+    if rotary_cos is not None:
+        if k is None:
+            V.fail(ValueError, "rotary_cos/rotary_sin rotate the new k and q: pass k and v too")
+        if q.shape[1] != k.shape[1]:
+            V.fail(ValueError, f"with rotary embedding q and the new k must have one seqlen, got {q.shape[1]} "
+                               f"and {k.shape[1]}")
+        rotary_len = check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
+    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                         rotary_len=rotary_len)
     seqused_k = cache_seqlens
+    if rotary_cos is not None:
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                       causal or tuple(window_size) != (-1, -1))
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
         seqused_k = cache_seqlens + k.shape[1]
@@ -76,6 +93,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
                          num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _rotate(q, k, cos, sin, cache_seqlens, interleaved: bool, per_token_q: bool):
+    """Rotate the new keys at positions cache_seqlens + i, and q likewise when causal or local
+    (otherwise every query token sits at position cache_seqlens), as flash-attn does."""
+    steps = torch.arange(k.shape[1], device=k.device)
+    k_pos = cache_seqlens.long()[:, None] + steps  # (batch, seqlen_new)
+    if per_token_q:
+        q_pos = cache_seqlens.long()[:, None] + torch.arange(q.shape[1], device=q.device)
+    else:
+        q_pos = cache_seqlens.long()[:, None].expand(q.shape[0], q.shape[1])
+    return apply_rotary(q, cos, sin, q_pos, interleaved), apply_rotary(k, cos, sin, k_pos, interleaved)
 
 
 def _cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:

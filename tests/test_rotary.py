@@ -1,0 +1,90 @@
+"""``flash_attn_with_kvcache`` with ``rotary_cos`` / ``rotary_sin``: keys rotated before they are
+cached, queries rotated at their positions, both pairings, contiguous and paged caches."""
+
+import numpy as np
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference as R
+from tolerance import assert_within, plain_attention
+
+
+def rotate64(x, cos, sin, positions, interleaved):
+    """Reference rotation in float64 through complex numbers: pair (a, b) is a + ib, times e^{i theta}."""
+    x = np.array(x, dtype=np.float64)
+    half = cos.shape[1]
+    if interleaved:
+        z = x[..., 0:2 * half:2] + 1j * x[..., 1:2 * half:2]
+    else:
+        z = x[..., :half] + 1j * x[..., half:2 * half]
+    turn = (cos[positions] + 1j * sin[positions])[:, :, None, :]  # (batch, seqlen, 1, half)
+    z = z * turn
+    out = x.copy()
+    if interleaved:
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = z.real, z.imag
+    else:
+        out[..., :half], out[..., half:2 * half] = z.real, z.imag
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal,paged", [(True, False), (False, True), (True, True)])
+def test_rotary_kvcache_matches_reference(device, interleaved, causal, paged):
+    gen = torch.Generator().manual_seed(61)
+    batch, new, headdim, rotary_dim = 2, 3, 32, 16
+    lens = torch.tensor([5, 12], dtype=torch.int32)
+    angles = torch.rand(40, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    q = torch.randn(batch, new, 4, headdim, generator=gen)
+    k_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    v_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    cached_k = torch.randn(batch, 16, 2, headdim, generator=gen)  # already-rotated keys from earlier steps
+    cached_v = torch.randn(batch, 16, 2, headdim, generator=gen)
+    if paged:
+        table = torch.randperm(12, generator=gen)[:8].view(2, 4).to(torch.int32)
+        k_cache = torch.full((12, 4, 2, headdim), float("nan"))
+        v_cache = torch.full((12, 4, 2, headdim), float("nan"))
+        for b in range(batch):
+            for p in range(int(lens[b])):
+                k_cache[table[b, p // 4], p % 4] = cached_k[b, p]
+                v_cache[table[b, p // 4], p % 4] = cached_v[b, p]
+    else:
+        table, k_cache, v_cache = None, cached_k.clone(), cached_v.clone()
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    out = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_cache, v_cache, k=k_new.to(device), v=v_new.to(device), rotary_cos=cos.float().to(device),
+        rotary_sin=sin.float().to(device), cache_seqlens=lens.to(device),
+        block_table=None if table is None else table.to(device), causal=causal, rotary_interleaved=interleaved)
+
+    steps = np.arange(new)
+    k_pos = lens.numpy()[:, None] + steps
+    q_pos = k_pos if causal else np.repeat(lens.numpy()[:, None], new, axis=1)
+    q64 = rotate64(q.numpy(), cos.numpy(), sin.numpy(), q_pos, interleaved)
+    k64_new = rotate64(k_new.numpy(), cos.numpy(), sin.numpy(), k_pos, interleaved)
+    for b in range(batch):
+        n = int(lens[b])
+        keys = np.concatenate([cached_k[b, :n].double().numpy(), k64_new[b]])[None]
+        values = np.concatenate([cached_v[b, :n].double().numpy(), v_new[b].double().numpy()])[None]
+        ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=causal)
+        plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
+                                     torch.from_numpy(values).float(), causal=causal)
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        stored = [k_cache[b, n + i] if table is None else k_cache[table[b, (n + i) // 4], (n + i) % 4]
+                  for i in range(new)]
+        np.testing.assert_allclose(torch.stack(stored).cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (lambda a: {**a, "rotary_sin": None}, ValueError, "both rotary_cos and rotary_sin"),
+    (lambda a: {**a, "k": None, "v": None}, ValueError, "pass k and v"),
+    (lambda a: {**a, "rotary_cos": torch.ones(6, 4), "rotary_sin": torch.ones(6, 4)}, IndexError, "positions"),
+    (lambda a: {**a, "rotary_cos": torch.ones(40, 20), "rotary_sin": torch.ones(40, 20)}, ValueError, "rotary_dim"),
+    (lambda a: {**a, "rotary_cos": torch.ones(40, 4, dtype=torch.int32)}, TypeError, "floating-point"),
+])
+def test_rotary_bad_input_raises(change, error, words):
+    args = dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.randn(2, 8, 2, 16), v_cache=torch.randn(2, 8, 2, 16),
+                k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=torch.tensor([3, 6], dtype=torch.int32),
+                rotary_cos=torch.ones(40, 4), rotary_sin=torch.zeros(40, 4), causal=True)
+    with pytest.raises(error, match=words):
+        tileattn.flash_attn_with_kvcache(**change(args))
