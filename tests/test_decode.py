@@ -144,7 +144,8 @@ def test_paged_kv_cache_helper(device):
     (lambda a: {**a, "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16),
                 "cache_seqlens": None}, ValueError, "cache_seqlens"),
-    (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, NotImplementedError, "cache_batch_idx"),
+    (lambda a: {**a, "cache_leftpad": torch.zeros(2, dtype=torch.int32)}, NotImplementedError, "cache_leftpad"),
+    (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, TypeError, "cache_batch_idx must be int32"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
 ])
@@ -211,3 +212,26 @@ def test_unused_block_table_entries_may_hold_anything(device):
         n = int(lens[b])
         torch.testing.assert_close(out[b:b + 1], tileattn.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_cache_batch_idx_reads_and_appends_the_named_rows(device):
+    """A contiguous cache of 5 rows serving a batch of 2 through cache_batch_idx."""
+    gen = torch.Generator().manual_seed(27)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(device)
+    k_cache = torch.randn(5, 12, 2, 16, generator=gen).to(device)
+    v_cache = torch.randn(5, 12, 2, 16, generator=gen).to(device)
+    k_new, v_new = torch.randn(2, 1, 2, 16, generator=gen).to(device), torch.randn(2, 1, 2, 16, generator=gen).to(device)
+    rows = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    lens = torch.tensor([4, 9], dtype=torch.int32, device=device)
+    before = k_cache.clone()
+    out = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
+                                           cache_batch_idx=rows, causal=True)
+    for b, (row, n) in enumerate(((3, 4), (1, 9))):
+        assert torch.equal(k_cache[row, n], k_new[b, 0]) and torch.equal(v_cache[row, n], v_new[b, 0])
+        expect = tileattn.flash_attn_func(q[b:b + 1], k_cache[row:row + 1, :n + 1], v_cache[row:row + 1, :n + 1])
+        torch.testing.assert_close(out[b:b + 1], expect, rtol=1e-5, atol=1e-5)
+    untouched = [r for r in range(5) if r not in (1, 3)]
+    assert torch.equal(k_cache[untouched], before[untouched])
+    with pytest.raises(IndexError, match="cache_batch_idx"):
+        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                         cache_batch_idx=torch.tensor([3, 5], dtype=torch.int32, device=device))

@@ -141,7 +141,7 @@ def check_cu_seqlens(name: str, cu, total: int, max_seqlen: int) -> None:
 
 
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
-                       num_blocks: int = 0, rotary_len: int | None = None) -> None:
+                       num_blocks: int = 0, rotary_len: int | None = None, table_name: str = "block_table") -> None:
     """KV-cache lengths and block-table entries, read back with one device-to-host copy.
 
     After appending ``new_tokens``, every length must fit the capacity, and every block-table
@@ -165,5 +165,5 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     if rotary_len is not None and hi > rotary_len:
         fail(IndexError, f"rotary_cos/rotary_sin cover {rotary_len} positions, the new tokens reach position {hi - 1}")
     if table and (table[0] < 0 or table[1] >= num_blocks):
-        fail(IndexError, f"block_table entries in use must index the pool's {num_blocks} blocks, "
-                         f"found {table[0]}..{table[1]}")
+        fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "
+                         f"{'blocks' if table_name == 'block_table' else 'rows'}, found {table[0]}..{table[1]}")

@@ -10,7 +10,9 @@ max_blocks) int32, where key p of sequence b lives at
 positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1, then q attends to all
 cache_seqlens[b] + seqlen_new keys; causal is aligned bottom-right, so a q of seqlen_new
 tokens is exactly the tail of the sequence. (The caller advances cache_seqlens afterwards,
-as with flash-attn.) With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
+as with flash-attn.) ``cache_batch_idx`` (batch,) int32 picks the contiguous cache's row
+of each sequence (a cache with more rows than the batch); rows named twice get the append
+of either sequence. With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
 keys are rotated at their positions before they are written, and q at the same positions
 when causal or local (otherwise all of q at position cache_seqlens), pairing features
 GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.ops.rotary``).
@@ -42,16 +44,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
     """
-    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if value is not None:
-            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by tileattn yet")
+    if cache_leftpad is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad is not supported by tileattn yet")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
     batch = q.shape[0]
     _check_pool(k_cache, v_cache, q)
     V.check_qkv(q, k_cache, v_cache, packed=False)
     paged = block_table is not None
-    if paged:
+    if cache_batch_idx is not None:
+        if paged:
+            raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx with a paged cache (block_table)")
+        V.check_int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
+        # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
+        # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
+        block_table = cache_batch_idx.view(batch, 1)
+    if block_table is not None:
         _check_block_table(block_table, batch, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
@@ -75,7 +83,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                f"and {k.shape[1]}")
         rotary_len = check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
     V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                         rotary_len=rotary_len)
+                         rotary_len=rotary_len, table_name="block_table" if paged else "cache_batch_idx")
     seqused_k = cache_seqlens
     if rotary_cos is not None:
         q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
