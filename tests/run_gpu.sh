@@ -13,8 +13,11 @@
 # 2. examples/serve.py on CUDA (paged cache, decoding replayed from a CUDA graph, every
 #    answer checked against a full recomputation);
 # 3. ring attention's GPU path at world size 1 under torchrun;
-# 4. `tileattn demo`, whose table (d) then shows the GPU rows.
-# A failing step never stops the next one; every step has a time limit.
+# 4. `tileattn demo`, whose table (d) then shows the GPU rows;
+# 5. benchmarks/generate.py --quick: transformers' generate() with tileattn beside SDPA and
+#    eager attention, eager and compiled (autotuning on: it times).
+# A failing step never stops the next one; every step has a time limit, cut so that the
+# whole run ends within BUDGET_S seconds (default 570: a device call may last 600 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -24,9 +27,17 @@ PY="${PYTHON:-python}"
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 
+BUDGET_S="${BUDGET_S:-570}"
+
 step() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET_S - SECONDS))
+  ((left < limit)) && limit=$left
+  if ((limit < 20)); then
+    echo "$name skipped: the time budget is spent" | tee -a "$OUT/summary.txt"
+    return
+  fi
   echo "=== $name (limit ${limit}s, at ${SECONDS}s) ==="
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -35,9 +46,10 @@ step() {  # name, seconds, command...
 }
 
 export TILEATTN_AUTOTUNE="${TILEATTN_AUTOTUNE:-0}"
-step pytest "${PYTEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests
-step serve 90 "$PY" examples/serve.py --device cuda
-step ring1 90 torchrun --nproc_per_node 1 benchmarks/ring.py --tokens 8192 --reps 3
-step demo 60 "$PY" -m tileattn.cli demo
+step pytest "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests
+step serve 60 "$PY" examples/serve.py --device cuda
+step ring1 60 torchrun --nproc_per_node 1 benchmarks/ring.py --tokens 8192 --reps 3
+step demo 40 "$PY" -m tileattn.cli demo
+TILEATTN_AUTOTUNE=1 step generate 100 "$PY" benchmarks/generate.py --quick --out "$OUT"
 echo "=== summary ==="
 cat "$OUT/summary.txt"
