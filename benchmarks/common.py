@@ -227,6 +227,19 @@ def print_notes(rows: list[dict]) -> None:
         print(f"note  {impl} ({n} case{'s' if n > 1 else ''}): {note}")
 
 
+def start_run(device: str):
+    """The dtype of a run (bf16 on a GPU, fp32 on the CPU) and its environment with the
+    ceilings measured now, printed as the header: every GPU benchmark begins so."""
+    import torch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    env = env_info(device)
+    ceilings = measure_ceilings(device)
+    print_env(env, ceilings)
+    env.update(ceilings)
+    return dtype, env
+
+
 def print_env(env: dict, ceilings: dict | None = None) -> None:
     from rich.console import Console
 

@@ -159,7 +159,7 @@ def tables(cases, rows) -> None:
     common.print_notes(rows)
 
 
-def plot(cases, rows, path, env, ceilings) -> None:
+def plot(cases, rows, path, env) -> None:
     fig, axes = common.new_figure(1, 1, width=12, height=4)
     ax = axes[0][0]
     width = 0.8 / len(IMPLS)
@@ -168,8 +168,8 @@ def plot(cases, rows, path, env, ceilings) -> None:
                                and r["kv_len"] == c["kv_len"]), None)) for c in cases]
         ax.bar([j + i * width for j in range(len(cases))], ys, width, label=name)
     ax.axhline(common.HBM_PEAK_GBS, color="k", ls="--", lw=1, label="HBM datasheet")
-    if ceilings.get("copy_gbs"):
-        ax.axhline(ceilings["copy_gbs"], color="gray", ls=":", lw=1, label="measured copy")
+    if env.get("copy_gbs"):
+        ax.axhline(env["copy_gbs"], color="gray", ls=":", lw=1, label="measured copy")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
     ax.set_xticklabels([f"b{c['batch']}\n{c['kv_len']}" for c in cases], fontsize=8)
     ax.set_ylabel("GB/s (K+V once)")
@@ -187,12 +187,8 @@ def main() -> None:
         return
     import torch
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype, env = common.start_run(args.device)
     torch.manual_seed(0)  # the block-table permutations
-    env = common.env_info(args.device)
-    ceilings = common.measure_ceilings(args.device)
-    common.print_env(env, ceilings)
-    env.update(ceilings)
     rows = []
     for c in cases:
         rows += run_case(c, args, dtype)
@@ -201,7 +197,7 @@ def main() -> None:
         common.write_csv(f"{args.out}/decode.csv", rows, env, quiet=True)
     tables(cases, rows)
     common.write_csv(f"{args.out}/decode.csv", rows, env)
-    plot(cases, rows, f"{args.out}/decode.png", env, ceilings)
+    plot(cases, rows, f"{args.out}/decode.png", env)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def memory_case(case: dict, name: str, args, dtype) -> dict:
     return row
 
 
-def speed_table(cases, rows, ceilings) -> None:
+def speed_table(cases, rows, env) -> None:
     """The anchors' layout: one line per shape, 'fwd / bwd' TFLOP/s per implementation."""
     by = {(r["hdim"], r["causal"], r["seqlen"], r["impl"]): r for r in rows if r["table"] == "speed"}
     body = []
@@ -153,7 +153,7 @@ def speed_table(cases, rows, ceilings) -> None:
             r = by.get((c["hdim"], c["causal"], c["seqlen"], name))
             cells.append("–" if r is None else f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])}")
         body.append([c["hdim"], "yes" if c["causal"] else "no", c["seqlen"], f"{c['batch']}×{c['nheads']}", *cells])
-    cap = None if not ceilings.get("matmul_tflops") else f"bf16 matmul ceiling {ceilings['matmul_tflops']:.0f} TFLOP/s"
+    cap = None if not env.get("matmul_tflops") else f"bf16 matmul ceiling {env['matmul_tflops']:.0f} TFLOP/s"
     common.print_table("Prefill TFLOP/s, forward / backward (backward = 2.5×fwd FLOPs / (fwd+bwd − fwd))",
                        ["hdim", "causal", "seqlen", "b×h", *IMPLS], body, caption=cap)
 
@@ -200,11 +200,7 @@ def main() -> None:
         return
     import torch
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    env = common.env_info(args.device)
-    ceilings = common.measure_ceilings(args.device)
-    common.print_env(env, ceilings)
-    env.update(ceilings)
+    dtype, env = common.start_run(args.device)
     rows = []
     for c in cases:
         ref: dict = {}
@@ -223,7 +219,7 @@ def main() -> None:
                 rows += [memory_case(c, name, args, dtype) for name in ("tileattn", "sdpa flash")]
     del ref
     common.free_cuda()
-    speed_table(cases, rows, ceilings)
+    speed_table(cases, rows, env)
     errs = [(r["err"], r["impl"]) for r in rows if r.get("err") is not None]
     if errs:
         worst = max(errs, key=lambda e: e[0] if e[0] == e[0] else float("inf"))  # NaN counts as the worst

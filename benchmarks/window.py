@@ -124,11 +124,7 @@ def main() -> None:
         return
     import torch
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    env = common.env_info(args.device)
-    ceilings = common.measure_ceilings(args.device)
-    common.print_env(env, ceilings)
-    env.update(ceilings)
+    dtype, env = common.start_run(args.device)
     rows = []
     for name, todo in (("tileattn", cases), ("flex", [c for c in cases if c["flex"]])):
         for c in todo:
