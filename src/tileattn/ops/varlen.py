@@ -27,9 +27,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over a packed batch; returns out (total_q, nheads, headdim).
 
-    With ``return_attn_probs`` (only without dropout's probability tensor: see below) returns
-    ``(out, softmax_lse, None)`` with lse (nheads, total_q) fp32; the full probability tensor
-    is not built for packed batches.
+    With ``return_attn_probs`` returns ``(out, softmax_lse, None)``: lse (nheads, total_q)
+    fp32, and None where flash-attn gives a probability tensor (tileattn builds that test-only
+    N x N tensor for ``flash_attn_func`` alone).
     """
     paged = block_table is not None
     if paged:
