@@ -37,18 +37,36 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
     return [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
 
 
-def _configs(kind: str, head_dims=(64, 128, 256)) -> list[triton.Config]:
-    """The configs of one kernel ("dkdv" or "dq") for the given padded head dims."""
+SMEM_LIMIT = 227 * 1024  # shared memory one block may use on Hopper
+
+
+def _smem_estimate(resident: int, streamed: int, stages: int, head_dim_p: int, elem_size: int) -> int:
+    """An upper estimate of one program's shared memory: two resident tiles (k, v or q, dout)
+    and ``stages`` copies of the two streamed ones. Compiled for sm_90 (tests/hopper_compile.py)
+    the kernels use 60-100 % of it; fp32 inputs with the bf16 tiles would not fit."""
+    return elem_size * head_dim_p * (2 * resident + 2 * stages * streamed)
+
+
+def _configs(kind: str, head_dims=(64, 128, 256), elem_size: int | None = None) -> list[triton.Config]:
+    """The configs of one kernel ("dkdv" or "dq") for the given padded head dims, best guess
+    first; with ``elem_size``, only those whose shared memory fits (at least the smallest)."""
     resident, streamed = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
-    shapes = dict.fromkeys(s for d in head_dims for s in _shapes(d))  # ordered, no repeats
-    return [triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n) for r, s, w, n in shapes]
+    configs = []
+    for d in head_dims:
+        shapes = _shapes(d)
+        if elem_size is not None:
+            fitting = [sh for sh in shapes if _smem_estimate(sh[0], sh[1], sh[3], d, elem_size) <= SMEM_LIMIT]
+            shapes = fitting or [min(shapes, key=lambda sh: _smem_estimate(sh[0], sh[1], sh[3], d, elem_size))]
+        configs += [(r, st, w, n) for r, st, w, n in shapes if (r, st, w, n) not in configs]
+    return [triton.Config({resident: r, streamed: st}, num_warps=w, num_stages=n) for r, st, w, n in configs]
 
 
 def _pruner(kind: str):
-    """The autotuner's early prune: keep only the configs meant for this head dimension."""
+    """The autotuner's early prune: the configs meant for this head dimension that fit in
+    shared memory for this dtype."""
     def prune(configs, named_args, **kwargs):
-        head_dim_p = {**named_args, **kwargs}["HEAD_DIM_P"]
-        wanted = {str(c) for c in _configs(kind, (head_dim_p,))}
+        args = {**named_args, **kwargs}
+        wanted = {str(c) for c in _configs(kind, (args["HEAD_DIM_P"],), args["q_ptr"].element_size())}
         return [c for c in configs if str(c) in wanted]
     return prune
 
@@ -150,12 +168,12 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     fixed = deterministic or interpreting() or not autotune_enabled()
     bucket = length_bucket(seqlen_q, seqlen_k)
     if seqlen_k > 0:
-        _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,))[0] if fixed else None,
+        _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
                  *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta)
     if seqlen_q > 0:
-        _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,))[0] if fixed else None,
+        _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
                  *alibi_strides, *scalars), meta)

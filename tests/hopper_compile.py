@@ -1,0 +1,181 @@
+"""Compile the Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+Triton's interpreter runs the kernels' arithmetic but not the compiler, so code that only the
+compiler rejects (a global a jit function may not read, a type the backend refuses) or that
+needs more shared memory than an H100/H200 block has would pass CI and fail on the GPU.
+This script drives the real launchers of ``tileattn.gpu`` over a matrix of features, records
+every kernel launch instead of running it, and compiles each recorded launch, for every tile
+configuration the autotuner could pick, to a Hopper cubin with the ptxas that Triton ships.
+
+Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
+
+    python tests/hopper_compile.py          # prints one line per compiled variant, exit 1 on failure
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TILEATTN_AUTOTUNE"] = "0"  # launch one config; this script compiles all of them
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tileattn.gpu import attention as fwd_launcher  # noqa: E402
+from tileattn.gpu import backward as bwd_launcher  # noqa: E402
+from tileattn.ops.backend import AttnParams  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+        torch.int64: "*i64"}
+
+
+class Recorder:
+    """Stands in for a jit kernel: ``kernel[grid](*args, **kwargs)`` records instead of launching."""
+
+    def __init__(self, fn, launches):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def compile_launch(fn, args, kwargs):
+    """Compile one recorded launch for Hopper; returns the compiled kernel."""
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = list(inspect.signature(fn.fn).parameters)
+    bound = {**dict(zip(names, args)), **kwargs}
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(names, fn.params)):
+        value = bound[name]
+        if param.is_constexpr or value is None:
+            signature[name], constexprs[(i,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _PTR[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if not -2**31 <= value < 2**31 else "i32"
+        else:
+            signature[name] = "fp32"
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                          options=options)
+
+
+def forward_cases():
+    """(name, launcher kwargs) covering every feature flag of the forward kernel at least once."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    cases = []
+    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256), (torch.float32, 40),
+                     (torch.float32, 256)):
+        q, k, v = t(2, 300, 8, d, dtype=dtype), t(2, 300, 2, d, dtype=dtype), t(2, 300, 2, d, dtype=dtype)
+        cases.append((f"dense causal {dtype} d{d}", q, k, v, dict(params=AttnParams(d**-0.5, -1, 0))))
+    q, k, v = t(500, 8, 96), t(600, 4, 96), t(600, 4, 96)
+    cu_q = torch.tensor([0, 200, 500], dtype=torch.int32)
+    cu_k = torch.tensor([0, 250, 600], dtype=torch.int32)
+    cases.append(("varlen window softcap alibi dropout", q, k, v, dict(
+        params=AttnParams(0.1, 64, 16, 30.0, 0.1, 7), alibi_slopes=torch.rand(2, 8), cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=350)))
+    for page in (16, 256):
+        pool = t(64, page, 8, 128)
+        table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
+        cases.append((f"paged decode page {page} GQA split", t(4, 1, 32, 128), pool, pool.clone(), dict(
+            params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 128], dtype=torch.int32),
+            block_table=table, max_seqlen_q=1, max_seqlen_k=8 * page, num_splits=4)))
+    return cases
+
+
+def backward_cases():
+    g = torch.Generator().manual_seed(1)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    cases = []
+    for dtype, d, params in ((torch.bfloat16, 128, AttnParams(128**-0.5, -1, 0)),
+                             (torch.float16, 64, AttnParams(0.125, 32, 0, 20.0, 0.1, 3)),
+                             (torch.bfloat16, 256, AttnParams(256**-0.5)),
+                             (torch.float32, 80, AttnParams(80**-0.5, -1, 0)),
+                             (torch.float32, 256, AttnParams(256**-0.5))):
+        q, k, v = t(2, 300, 8, d, dtype=dtype), t(2, 300, 4, d, dtype=dtype), t(2, 300, 4, d, dtype=dtype)
+        out, dout = t(2, 300, 8, d, dtype=dtype), t(2, 300, 8, d, dtype=dtype)
+        lse = torch.randn(2, 8, 300, generator=g)
+        cases.append((f"bwd {dtype} d{d}", (dout, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k),
+                                           torch.empty_like(v)), dict(params=params)))
+    return cases
+
+
+def record(fn, *args, **kwargs):
+    """The launches ``fn(*args, **kwargs)`` makes, each with every tile config it could get."""
+    launches = []
+    originals = {name: getattr(fwd_launcher, name) for name in ("_attn_fwd_kernel", "_combine_kernel")}
+    original_pre, original_launch = bwd_launcher._attn_bwd_preprocess, bwd_launcher._launch
+
+    def launch(kernel, fixed, grid, args, meta):
+        kind = "dkdv" if "dkdv" in kernel.fn.__name__ else "dq"
+        for cfg in bwd_launcher._configs(kind, (meta["HEAD_DIM_P"],), args[0].element_size()):  # the pruned set
+            launches.append((kernel.fn, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
+                                               "num_stages": cfg.num_stages}))
+
+    try:
+        for name, kernel in originals.items():
+            setattr(fwd_launcher, name, Recorder(kernel, launches))
+        bwd_launcher._attn_bwd_preprocess = Recorder(original_pre, launches)
+        bwd_launcher._launch = launch
+        fn(*args, **kwargs)
+    finally:
+        for name, kernel in originals.items():
+            setattr(fwd_launcher, name, kernel)
+        bwd_launcher._attn_bwd_preprocess, bwd_launcher._launch = original_pre, original_launch
+    return launches
+
+
+def forward_variants(launches, q):
+    """Each prefill launch once per config the autotuner keeps; decode and combine launches as made."""
+    for fn, args, kwargs in launches:
+        if fn is fwd_launcher._attn_fwd_kernel and kwargs.get("BLOCK_M", 0) >= 64:
+            configs = fwd_launcher._prune_configs(fwd_launcher._prefill_configs(), {"Q": q},
+                                                  HEAD_DIM_PAD=kwargs["HEAD_DIM_PAD"])
+            for cfg in configs:
+                yield fn, args, {**kwargs, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        else:
+            yield fn, args, kwargs
+
+
+def main() -> int:
+    failures = 0
+    todo = []
+    for name, q, k, v, kwargs in forward_cases():
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
+        todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
+                                                                         **kwargs), q)]
+    for name, tensors, kwargs in backward_cases():
+        todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
+    for name, fn, args, kwargs in todo:
+        tile = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k.startswith("num_")}
+        try:
+            compiled = compile_launch(fn, args, kwargs)
+            shared = compiled.metadata.shared
+            verdict = "ok" if shared <= SMEM_LIMIT else f"FAIL shared memory {shared} > {SMEM_LIMIT}"
+        except Exception as err:  # noqa: BLE001 - report every variant, then fail
+            shared, verdict = -1, f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        failures += not verdict.startswith("ok")
+        print(f"{verdict:>4}  {fn.__name__:28s} {name:40s} {tile} smem={shared}", flush=True)
+    print(f"{len(todo)} variants compiled for sm_90, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
