@@ -7,6 +7,9 @@ This script drives the real launchers of ``tileattn.gpu`` over a matrix of featu
 every kernel launch instead of running it, and compiles each recorded launch, for every tile
 configuration the autotuner could pick, to a Hopper cubin with the ptxas that Triton ships.
 
+Each line also gives the registers per thread and the local-memory stack (register spills)
+that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent.
+
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
     python tests/hopper_compile.py          # prints one line per compiled variant, exit 1 on failure
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TILEATTN_AUTOTUNE"] = "0"  # launch one config; this script compiles all of them
@@ -47,26 +53,46 @@ class Recorder:
 
 
 def compile_launch(fn, args, kwargs):
-    """Compile one recorded launch for Hopper; returns the compiled kernel."""
+    """Compile one recorded launch for Hopper, specialised as a real launch would be (pointers
+    16-byte aligned, integers equal to 1 folded, integers divisible by 16 marked so)."""
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     names = list(inspect.signature(fn.fn).parameters)
     bound = {**dict(zip(names, args)), **kwargs}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
     for i, (name, param) in enumerate(zip(names, fn.params)):
         value = bound[name]
         if param.is_constexpr or value is None:
             signature[name], constexprs[(i,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = _PTR[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = aligned
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
+            if value == 1 and not param.do_not_specialize:
+                signature[name], constexprs[(i,)] = "constexpr", 1
+                continue
             signature[name] = "i64" if not -2**31 <= value < 2**31 else "i32"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = aligned
         else:
             signature[name] = "fp32"
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                           options=options)
+
+
+def registers(compiled) -> str:
+    """'REG:n STACK:bytes' of the cubin, read by the cuobjdump that Triton ships (spills show as STACK)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return f"regs={found.group(1)} stack={found.group(2)}" if found else "regs=?"
 
 
 def forward_cases():
@@ -167,12 +193,13 @@ def main() -> int:
         tile = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k.startswith("num_")}
         try:
             compiled = compile_launch(fn, args, kwargs)
-            shared = compiled.metadata.shared
+            shared, usage = compiled.metadata.shared, registers(compiled)
             verdict = "ok" if shared <= SMEM_LIMIT else f"FAIL shared memory {shared} > {SMEM_LIMIT}"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
-            shared, verdict = -1, f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            shared, usage = -1, ""
+            verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         failures += not verdict.startswith("ok")
-        print(f"{verdict:>4}  {fn.__name__:28s} {name:40s} {tile} smem={shared}", flush=True)
+        print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)
     print(f"{len(todo)} variants compiled for sm_90, {failures} failed")
     return 1 if failures else 0
 
