@@ -139,6 +139,15 @@ def backward_cases():
         lse = torch.randn(2, 8, 300, generator=g)
         cases.append((f"bwd {dtype} d{d}", (dout, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k),
                                            torch.empty_like(v)), dict(params=params)))
+    # packed sequences with ALiBi, GQA 3:1, softcap, dropout and a two-sided window
+    q, k, v = t(500, 6, 96), t(600, 2, 96), t(600, 2, 96)
+    out, dout = t(500, 6, 96), t(500, 6, 96)
+    cases.append(("bwd varlen alibi softcap dropout", (dout, q, k, v, out, torch.randn(6, 500, generator=g),
+                                                       torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+                  dict(params=AttnParams(0.1, 40, 8, 15.0, 0.2, 5), alibi_slopes=torch.rand(2, 6),
+                       cu_seqlens_q=torch.tensor([0, 200, 500], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 250, 600], dtype=torch.int32), max_seqlen_q=300,
+                       max_seqlen_k=350)))
     return cases
 
 
