@@ -119,6 +119,11 @@ def forward_cases():
         cases.append((f"paged decode page {page} GQA split", t(4, 1, 32, 128), pool, pool.clone(), dict(
             params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 128], dtype=torch.int32),
             block_table=table, max_seqlen_q=1, max_seqlen_k=8 * page, num_splits=4)))
+    for dtype, splits in ((torch.float16, 1), (torch.float32, 3)):  # contiguous cache, hdim 256, MQA
+        cache = t(2, 512, 1, 256, dtype=dtype)
+        cases.append((f"decode {dtype} d256 MQA splits {splits}", t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
+                      dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
+                           max_seqlen_q=2, max_seqlen_k=512, num_splits=splits)))
     return cases
 
 
