@@ -27,12 +27,12 @@ import triton.language as tl
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
+from ..kernels.common import LOG2E
 from ..ops.backend import AttnParams
 from ._tuning import autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_fwd"]
 
-LOG2E = 1.4426950408889634
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
 MAX_SPLITS = 128
@@ -190,7 +190,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         *o_strides, *l_strides,
         _stride(alibi_slopes, 0), _stride(alibi_slopes, 1), _stride(block_table, 0),
         nheads, seqlen_q, seqlen_k, max_rows, num_splits,
-        params.softmax_scale * LOG2E, params.softcap, params.window_left, params.window_right,
+        params.softmax_scale * LOG2E.value, params.softcap, params.window_left, params.window_right,
         params.dropout_seed, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0,
     )
     flags = dict(
