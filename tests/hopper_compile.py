@@ -162,7 +162,7 @@ def record(fn, *args, **kwargs):
     originals = {name: getattr(fwd_launcher, name) for name in ("_attn_fwd_kernel", "_combine_kernel")}
     original_pre, original_launch = bwd_launcher._attn_bwd_preprocess, bwd_launcher._launch
 
-    def launch(kernel, fixed, grid, args, meta):
+    def launch(kernel, fixed, grid, args, meta, dtype):
         kind = "dkdv" if "dkdv" in kernel.fn.__name__ else "dq"
         for cfg in bwd_launcher._configs(kind, (meta["HEAD_DIM_P"],), args[0].element_size()):  # the pruned set
             launches.append((kernel.fn, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,

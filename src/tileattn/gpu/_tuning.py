@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import triton
+
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -24,3 +26,27 @@ def length_bucket(*seqlens: int) -> int:
     (the tiles that win at 512 tokens need not win at 16k)."""
     n = max(seqlens)
     return 0 if n <= 1024 else 1 if n <= 4096 else 2
+
+
+class Tuned:
+    """An autotuned jit kernel whose choice, once made, is launched straight through the jit function.
+
+    Triton's autotuner rebuilds its key from every argument on each call, which on the H200
+    machine's host costs about 65 µs per launch (``benchmarks/overhead.py``), more than a short
+    kernel runs. Here the caller names the key (it must determine everything the tuner's key
+    and pruning depend on), the autotuner runs only the first time a key is seen, and later
+    calls launch the jit function with the remembered config.
+    """
+
+    def __init__(self, kernel, configs, key: list[str], prune):
+        self.fn = kernel
+        self._tuner = triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+        self._best: dict[tuple, triton.Config] = {}
+
+    def launch(self, grid, key: tuple, args: tuple, meta: dict) -> None:
+        config = self._best.get(key)
+        if config is None:
+            self._tuner[grid](*args, **meta)
+            self._best[key] = self._tuner.best_config
+        else:
+            self.fn[grid](*args, **meta, **config.all_kwargs())

@@ -29,7 +29,7 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..ops.backend import AttnParams
-from ._tuning import autotune_enabled, interpreting, length_bucket
+from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_fwd"]
 
@@ -64,19 +64,18 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or [configs[-1]]
 
 
+_TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
+
+
 @functools.lru_cache(maxsize=None)
-def _attn_fwd_tuned(bucket: int):
+def _attn_fwd_tuned(bucket: int) -> Tuned:
     """The autotuned forward for one sequence-length bucket (``length_bucket``).
 
     The tiles that win at 512 tokens (launch-bound, few key blocks) need not win at 16k, and an
     autotuner's key can only name kernel arguments, so each bucket gets an autotuner of its own
     over the same jit function (compiled variants are shared; only the timing is redone).
     """
-    return triton.autotune(
-        configs=_prefill_configs(),
-        key=["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"],
-        prune_configs_by={"early_config_prune": _prune_configs},
-    )(_attn_fwd_kernel)
+    return Tuned(_attn_fwd_kernel, _prefill_configs(), _TUNE_KEY, _prune_configs)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -209,7 +208,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         stages = 3 if _smem_bytes(block_m, block_n, 3, head_dim_pad, q.element_size()) <= SMEM_BUDGET else 2
         _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
     elif autotune_enabled():
-        _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))[grid](*args, **flags)
+        key = tuple(flags[name] for name in _TUNE_KEY) + (q.dtype,)
+        _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k)).launch(grid, key, args, flags)
     else:  # the first config that fits in shared memory
         cfg = _prune_configs(_prefill_configs(), {"Q": q}, HEAD_DIM_PAD=head_dim_pad)[0]
         _attn_fwd_kernel[grid](*args, **flags, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

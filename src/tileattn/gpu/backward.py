@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
-from ._tuning import autotune_enabled, interpreting, length_bucket
+from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_bwd"]
 
@@ -79,11 +79,11 @@ _TUNE_KEY = ["HEAD_DIM_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned(kind: str, bucket: int):
+def _tuned(kind: str, bucket: int) -> Tuned:
     """The autotuned dkdv or dq kernel for one sequence-length bucket (``length_bucket``): one
     autotuner per bucket over the same jit function, since a key can only name kernel arguments."""
     kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
-    return triton.autotune(_configs(kind), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner(kind)})(kernel)
+    return Tuned(kernel, _configs(kind), _TUNE_KEY, _pruner(kind))
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -100,12 +100,12 @@ def _rows_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _launch(kernel, fixed: triton.Config | None, grid, args: tuple, meta: dict) -> None:
+def _launch(kernel: Tuned, fixed: triton.Config | None, grid, args: tuple, meta: dict, dtype: torch.dtype) -> None:
     """Run an autotuned kernel, or its plain jit function with the ``fixed`` config."""
     if fixed is None:
-        kernel[grid](*args, **meta)
+        kernel.launch(grid, tuple(meta[name] for name in _TUNE_KEY) + (dtype,), args, meta)
     else:
-        kernel.fn[grid](*args, **meta, **fixed.kwargs, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+        kernel.fn[grid](*args, **meta, **fixed.all_kwargs())
 
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
@@ -175,9 +175,9 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
         _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
-                 *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta)
+                 *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta, q.dtype)
     if seqlen_q > 0:
         _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
-                 *alibi_strides, *scalars), meta)
+                 *alibi_strides, *scalars), meta, q.dtype)

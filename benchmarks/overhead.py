@@ -1,0 +1,106 @@
+"""Host overhead: what one eager call costs the CPU before its kernels run, and where it goes.
+
+For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
+caches) and a short prefill (32×16 heads of 512 tokens), it prints the wall time per call
+of a loop of calls (host-bound when the GPU work is shorter), the same for the backend
+launcher alone (no input checks, no custom op), the GPU kernels each call launches, and
+cProfile's top functions by own time.
+
+    python benchmarks/overhead.py [--calls 200] [--top 18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import tileattn
+from tileattn.ops import _custom
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def kernels_launched(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name[:40] for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def top_functions(fn, calls: int, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in s.getvalue().splitlines() if line.strip())[-6000:]
+
+
+def cases():
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    kc = torch.randn(1, 8192, 8, 128, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    lens = torch.full((1,), 8192, dtype=torch.int32, device=dev)
+    yield "decode contiguous", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    pool_k = kc.view(512, 16, 8, 128)
+    pool_v = vc.view(512, 16, 8, 128)
+    table = torch.randperm(512, device=dev).to(torch.int32).view(1, 512)
+    yield "decode paged16", lambda: tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                                                     block_table=table)
+    knew = torch.randn(1, 1, 8, 128, device=dev, dtype=dt)
+    lens_app = torch.full((1,), 8000, dtype=torch.int32, device=dev)
+    yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, knew, knew,
+                                                                                 cache_seqlens=lens_app)
+    params = tileattn.ops.backend.AttnParams(128 ** -0.5)
+    out = torch.empty_like(q)
+    lse = torch.empty((1, 32, 1), device=dev, dtype=torch.float32)
+    from tileattn import gpu
+    yield "decode launcher only", lambda: gpu.attn_fwd(q, kc, vc, out, lse, params=params, seqused_k=lens,
+                                                      num_splits=0)
+    qp = torch.randn(32, 512, 16, 128, device=dev, dtype=dt)
+    kp, vp = torch.randn_like(qp), torch.randn_like(qp)
+    yield "prefill 512", lambda: tileattn.flash_attn_func(qp, kp, vp)
+    outp = torch.empty_like(qp)
+    lsep = torch.empty((32, 16, 512), device=dev, dtype=torch.float32)
+    yield "prefill 512 launcher only", lambda: gpu.attn_fwd(qp, kp, vp, outp, lsep, params=params)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--top", type=int, default=18)
+    args = p.parse_args()
+    assert _custom is not None
+    rows = []
+    for name, fn in cases():
+        us = per_call_us(fn, args.calls)
+        launched = kernels_launched(fn)
+        rows.append((name, us, launched))
+        print(f"\n##### {name}: {us:.1f} µs per call; kernels: {launched}")
+        print(top_functions(fn, args.calls, args.top))
+    print("\nper-call wall time of a loop of eager calls (host-bound when the kernels are shorter)")
+    for name, us, launched in rows:
+        print(f"  {name:28s} {us:8.1f} µs   {len(launched)} kernels")
+
+
+if __name__ == "__main__":
+    main()
