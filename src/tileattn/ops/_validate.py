@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 from .backend import AttnParams, backend_name
@@ -150,13 +151,22 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     """
     if seqlens.numel() == 0 or not value_checks_enabled(seqlens):
         return
-    total = seqlens.long() + new_tokens
-    stats = [seqlens.min().long(), total.max()]
-    if block_table is not None and block_table.numel():
+    batch = seqlens.shape[0]
+    has_table = block_table is not None and block_table.numel() > 0
+    # The one device-to-host copy (lengths and table together), then a few numpy reductions:
+    # cheaper on the host than the handful of small reduction kernels the device would run.
+    read = torch.cat([seqlens, block_table.reshape(-1)]) if has_table else seqlens
+    host = read.cpu().numpy().astype(np.int64)
+    lengths = host[:batch]
+    total = lengths + new_tokens
+    lo, hi = int(lengths.min()), int(total.max())
+    table = []
+    if has_table:
+        entries = host[batch:].reshape(batch, -1)
         pages = (total + block_size - 1) // block_size  # (batch,) pages each sequence's keys occupy
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
-        stats += [torch.where(used, block_table, 0).min().long(), torch.where(used, block_table, -1).max().long()]
-    lo, hi, *table = torch.stack(stats).tolist()
+        in_use = entries[np.arange(entries.shape[1])[None, :] < pages[:, None]]
+        if in_use.size:
+            table = [int(in_use.min()), int(in_use.max())]
     if lo < 0 or hi > capacity:
         if new_tokens:
             fail(IndexError, f"appending {new_tokens} tokens needs room for {hi} keys, the cache holds {capacity} "
