@@ -14,7 +14,7 @@ median of 3 calls after a warm-up call (which also compiles). ``same tokens`` is
 of generated tokens equal to SDPA's in the same mode (bf16 rounding may flip near-ties).
 About 40 s of GPU time, mostly compilation.
 
-    python benchmarks/generate.py [--quick] [--smoke] [--out DIR] [--dry-run]
+    python benchmarks/generate.py [--quick] [--smoke] [--out DIR] [--dry-run] [--impls a,b] [--modes m]
 """
 
 from __future__ import annotations
@@ -78,10 +78,15 @@ def run_generate(model, ids, mask, new: int, compiled: bool):
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    def extra(p):
+        p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+        p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+
+    args = common.parse_args(__doc__.splitlines()[0], extra)
     case = build_case(args)
     batch, new = len(case["prompts"]), case["new"]
-    modes = MODES if args.device == "cuda" else ("eager",)  # generate() compiles on accelerators only
+    modes = [m for m in args.modes.split(",") if args.device == "cuda" or m == "eager"]  # compiles on GPUs only
+    impls = args.impls.split(",")
     print(f"batch {batch}, prompts {case['prompts']}, {new} new tokens, modes {modes}")
     if args.dry_run:
         return
@@ -92,7 +97,7 @@ def main() -> None:
     ids, mask = make_batch(case, args.device)
     rows, tokens = [], {}
     for mode in modes:
-        for impl in IMPLS:
+        for impl in impls:
             model.set_attn_implementation(impl)
             row = dict(impl=impl, mode=mode, batch=batch, new_tokens=new, layers=case["layers"])
             try:

@@ -114,7 +114,7 @@ def test_logits_through_triton_kernels(monkeypatch):
                   logits(model, "eager", ids, mask)[real], ref)
 
 
-@pytest.mark.parametrize("kind, cache", [("llama", None), ("mistral", None), ("llama", "static")])
+@pytest.mark.parametrize("kind, cache", [("llama", None), ("mistral", None), ("llama", "static"), ("mistral", "static")])
 def test_generate_gives_eager_greedy_tokens(cpu_backend, kind, cache):
     """Greedy decoding with transformers' own KV caches (dynamic, sliding for mistral, static): eager's tokens."""
     model = make_model(kind, seed=5)
@@ -296,3 +296,28 @@ def test_bf16_on_cuda(kind):
         dense = ids[:1, :32]
         torch.testing.assert_close(compiled(dense, use_cache=False).logits.double(),
                                    oracle(dense, use_cache=False).logits, rtol=0, atol=budget)
+
+
+def test_static_cache_mask_keeps_one_shape_and_compiles_once(cpu_backend):
+    """With a static cache the mask keeps the cache's width as tokens arrive (a growing mask would
+    recompile generate()'s compiled decoding step for every token), and the compile-time path
+    reads the query offset from it on the device, matching the eager path."""
+    from torch._dynamo.testing import CompileCounter
+
+    gen = torch.Generator().manual_seed(23)
+    slots, heads = 16, (4, 2)
+    k, v = (torch.randn(3, slots, heads[1], 16, generator=gen) for _ in range(2))
+    q = torch.randn(3, 1, heads[0], 16, generator=gen)
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    counter = CompileCounter()
+    compiled = torch.compile(tt._padded_attention, backend=counter, fullgraph=True)
+    for seen in (10, 11, 13):  # tokens so far: left padding, then generated tokens
+        _, mask = batch_with_padding(24, [seen, seen - 4, seen - 7], left=True)
+        fixed = tt.tileattn_mask(3, 1, slots, q_offset=torch.tensor(seen - 1), attention_mask=mask)
+        assert fixed.shape == (3, slots) and fixed.dtype == torch.int8
+        assert torch.equal(fixed[:, seen:], torch.full((3, slots - seen), -1, dtype=torch.int8))
+        eager = tt._padded_attention(q, k, v, fixed, options)
+        torch.testing.assert_close(compiled(q, k, v, fixed, options), eager, rtol=0, atol=1e-6)
+        # the same rows as the growing bool mask gives
+        torch.testing.assert_close(eager, tt._padded_attention(q, k, v, mask.bool(), options), rtol=0, atol=0)
+    assert counter.frame_count == 1

@@ -19,7 +19,8 @@ KV caches. What the layer hands over, and what tileattn does with it:
 * ``sliding_window`` w: query at position p sees keys p - w + 1 ... p, i.e.
   ``window_size=(w - 1, w - 1)`` (the right bound is cut to 0 by causal), as flash-attn.
 * ``attention_mask``: tileattn registers a mask function too, so the model hands over the
-  2-D padding mask (batch, seqlen_k) — or None when nothing is padded. Padded batches are
+  2-D padding mask (batch, seqlen_k) — or None when nothing is padded; with a static cache,
+  the mask at the cache's fixed width, its unfilled slots marked. Padded batches are
   unpacked with it (``flash_attn_varlen_func`` over the real tokens only) and re-padded;
   padded query rows come back as zeros. (Any extra pattern transformers would overlay on a
   4-D mask — image-token blocks, chunked attention — is not represented: flash-attn does the
@@ -50,6 +51,7 @@ from ..ops.varlen import flash_attn_varlen_func
 __all__ = ["NAME", "register", "tileattn_attention_forward", "tileattn_mask"]
 
 NAME = "tileattn"
+_NOT_FILLED = -1  # a static cache's key slot past the tokens seen so far (tileattn_mask's int8 form)
 
 
 def register() -> None:
@@ -68,18 +70,31 @@ def register() -> None:
 
 def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """The mask transformers hands to every "tileattn" layer: the 2-D padding mask, or None.
+    """The mask transformers hands to every "tileattn" layer: the padding mask, or None.
 
-    ``attention_mask`` (batch, seen + q_length) bool marks real tokens. Its last ``kv_length``
-    columns are the keys of this forward (a sliding-window cache keeps only the newest ones).
-    None when every key is real (checked in eager mode only: under torch.compile the mask is
-    kept, since reading it would break the graph).
+    ``attention_mask`` (batch, seen + q_length) marks real tokens. Its last ``kv_length``
+    columns are the keys of this forward (a sliding-window cache keeps only the newest ones):
+    returned as bool, or None when every key is real (checked in eager mode only: under
+    torch.compile the mask is kept, since reading it would break the graph).
+
+    A static cache has more key slots (``kv_length``) than tokens seen so far, and transformers
+    tells its query offset as a tensor. Its mask is returned at the cache's fixed width as
+    int8: 1 real, 0 padding, -1 a slot not filled yet (from ``q_offset``; transformers turns
+    the mask to bool before each layer asks again, so the marks are made here each time).
+    generate() builds this mask outside the compiled decoding step, so the step sees the same
+    shape every time (a growing mask would recompile it and record a new CUDA graph per token).
     """
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if (not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length
-            and bool(attention_mask.all())):
+    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    width = attention_mask.shape[1]
+    filled = q_offset - kv_offset + q_length  # key slots in use: kv_length unless the cache is static
+    if isinstance(filled, torch.Tensor) or filled < kv_length or width < kv_length:
+        mask = F.pad(attention_mask, (0, kv_length - width), value=False).to(torch.int8)
+        slots = torch.arange(kv_length, device=mask.device)
+        in_use = slots < torch.as_tensor(filled, device=mask.device)
+        return torch.where(in_use, mask, torch.full_like(mask, _NOT_FILLED))
+    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None
     return attention_mask
 
@@ -120,10 +135,12 @@ def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
 
 def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
-    """Attention of a padded batch: key j of row b is real iff mask[b, j].
+    """Attention of a padded batch: key j of row b is real iff mask[b, j] is true (bool) or 1 (int8).
 
-    The mask covers the first ``width`` key positions, and the queries are its last seqlen_q
-    (a static cache holds seqlen_k >= width slots; the ones past the mask are not filled yet).
+    A bool mask covers the first ``width`` key positions, and the queries are its last
+    seqlen_q (a static cache holds seqlen_k >= width slots; the ones past the mask are not
+    filled yet). tileattn_mask's int8 form spans all seqlen_k slots and marks the unfilled
+    ones -1: there ``width`` is the count of the others, read on the device.
     """
     if attention_mask.dim() != 2:
         raise ValueError(f"tileattn takes the 2-D padding mask (batch, seqlen_k), got shape "
@@ -133,10 +150,18 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
     if attention_mask.shape[0] != batch or not seqlen_q <= width <= seqlen_k:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, n) with "
                          f"{seqlen_q} <= n <= {seqlen_k}")
-    keys_real = F.pad(attention_mask.to(device=q.device, dtype=torch.bool), (0, seqlen_k - width), value=False)
+    mask = attention_mask.to(device=q.device)
+    if mask.dtype == torch.int8:  # the static-cache form: (batch, seqlen_k), -1 past the tokens seen
+        keys_real = mask == 1
+        first_query = (mask != _NOT_FILLED).sum(1) - seqlen_q  # (batch,), equal across rows
+    else:
+        keys_real = F.pad(mask.to(torch.bool), (0, seqlen_k - width), value=False)
+        first_query = width - seqlen_q
     if torch.compiler.is_compiling():
-        return _segmented_attention(q, k, v, keys_real, width - seqlen_q, options)
-    return _unpadded_attention(q, k, v, keys_real, width - seqlen_q, options)
+        return _segmented_attention(q, k, v, keys_real, first_query, options)
+    if isinstance(first_query, torch.Tensor):
+        first_query = int(first_query[0])
+    return _unpadded_attention(q, k, v, keys_real, first_query, options)
 
 
 def _unpadded_attention(q, k, v, keys_real, first_query: int, options: dict) -> torch.Tensor:
@@ -156,7 +181,7 @@ def _unpadded_attention(q, k, v, keys_real, first_query: int, options: dict) -> 
     return out.new_zeros(q.shape).index_put((qb, qs), out)
 
 
-def _segmented_attention(q, k, v, keys_real, first_query: int, options: dict) -> torch.Tensor:
+def _segmented_attention(q, k, v, keys_real, first_query: int | torch.Tensor, options: dict) -> torch.Tensor:
     """The same without reading the mask on the host (static shapes, for torch.compile).
 
     Assumes the real tokens of each row form one run [start, end) of key positions — left
@@ -174,6 +199,7 @@ def _segmented_attention(q, k, v, keys_real, first_query: int, options: dict) ->
                         "tileattn under torch.compile needs the real tokens of each row in one run (left or right "
                         "padding); a padding mask with holes needs eager mode")
     bounds_k = torch.stack([torch.zeros_like(start), start, end], 1)  # (batch, 3) key positions
+    first_query = torch.as_tensor(first_query, device=q.device).reshape(-1, 1)  # an int, or (batch,) on the device
     bounds_q = (bounds_k - first_query).clamp(0, seqlen_q)  # the same cuts among the queries
     rows = torch.arange(batch, device=q.device)[:, None]
 
