@@ -31,7 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from tileattn.distributed.ring import _ring_bwd, _ring_fwd, _Ring
+import tileattn
+from tileattn.distributed.ring import _ring_bwd, _ring_fwd, _Ring, ring_flash_attn_func, zigzag_shard, zigzag_unshard
 from tileattn.ops.backend import AttnParams, backend_for
 
 
@@ -144,6 +145,30 @@ def run_case(tokens: int, causal: bool, args, device) -> dict:
     return dict(ms=ms, tflops=tflops, hidden=hidden)
 
 
+def check(tokens: int, causal: bool, args, device) -> float:
+    """Largest |ring - one GPU| over out, dq, dk, dv: ``ring_flash_attn_func`` on the zigzag shards
+    of one sequence of W x tokens, gathered, against ``flash_attn_func`` on the whole of it
+    (both in the benchmark's dtype; tests/test_ring.py holds them to the tolerance rule)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator(device=device).manual_seed(99)  # the same full tensors on every rank
+    shape = (args.batch, tokens * world, args.heads, args.hdim)
+    full = [torch.randn(shape, generator=gen, device=device, dtype=getattr(torch, args.dtype)) for _ in range(4)]
+    q, k, v = (zigzag_shard(t, rank, world).detach().requires_grad_() for t in full[:3])
+    out = ring_flash_attn_func(q, k, v, causal=causal)
+    out.backward(zigzag_shard(full[3], rank, world))
+    mine = [out.detach(), q.grad, k.grad, v.grad]
+    gathered = []
+    for t in mine:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        gathered.append(zigzag_unshard(parts))
+    qf, kf, vf = (t.detach().requires_grad_() for t in full[:3])
+    ref = tileattn.flash_attn_func(qf, kf, vf, causal=causal)
+    ref.backward(full[3])
+    return max((a.float() - b.float()).abs().max().item()
+               for a, b in zip(gathered, [ref.detach(), qf.grad, kf.grad, vf.grad]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768], help="tokens per GPU")
@@ -153,9 +178,15 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--check-tokens", type=int, default=2048, help="tokens per GPU of the correctness check")
     args = parser.parse_args()
     device = init()
     world = dist.get_world_size()
+    for causal in (False, True):
+        err = check(args.check_tokens, causal, args, device)
+        if dist.get_rank() == 0:
+            print(f"check: {world} ranks x {args.check_tokens} tokens, causal {causal}: largest |ring - one GPU| "
+                  f"over out, dq, dk, dv = {err:.3g}", flush=True)
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(f"ring attention: {world} x {name}, torch {torch.__version__}, {args.dtype}, batch {args.batch}, "
