@@ -68,6 +68,14 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
          cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
          softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
          dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, deterministic)
+
+
+def _run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+             softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
+             deterministic) -> tuple[Tensor, Tensor, Tensor]:
+    """Allocate (dq, dk, dv) and let the device's backend fill them: the body of ``tileattn::bwd``."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
     backend_for(q.device).attn_bwd(
@@ -94,33 +102,69 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = deterministic
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, bwd) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from what _setup_context saved, through ``bwd`` (the op or its body)."""
     if ctx.has_cache:
         raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     # The gradient that reaches the LSE output (if any) is not propagated, as in flash-attn.
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *ctx.scalars,
-                      ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 15
+    return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *ctx.scalars, ctx.deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    return _gradients(ctx, dout, _bwd) + (None,) * 15
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the custom op's, for eager autograd without the dispatcher.
+
+    ``torch.library`` ops pay a Python dispatch of every argument on each call (about 200 µs
+    on the 2-core CPU machine, ``python benchmarks/overhead.py``-style timing of a tiny
+    problem), which a short training step feels; torch.compile still sees the op.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
+                max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
+                deterministic):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
+                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
+                  deterministic)
+        params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
+        out, lse = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k, block_table, num_splits)
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _gradients(ctx, dout, _run_bwd) + (None,) * 15
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None,
               num_splits=1, deterministic=False) -> tuple[Tensor, Tensor]:
-    """(out, lse) through the custom op, with autograd when inputs require grad.
+    """(out, lse), with autograd when inputs require grad.
 
-    When no graph is being recorded (no input needs a gradient, or grad mode is off) and
-    torch.compile is not tracing, the op's body runs directly: the same code without the
-    dispatcher's tens of microseconds, which matter to a decoding step.
+    When no graph is being recorded (no input needs a gradient, or grad mode is off) the
+    op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
+    backward. Both skip the dispatcher's per-call cost, which matters to decoding and to short
+    training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
     """
+    if torch.compiler.is_compiling():
+        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, int(max_seqlen_q),
+                    int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right, params.softcap,
+                    params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic))
     needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not needs_graph and not torch.compiler.is_compiling():
+    if not needs_graph:
         return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                         int(max_seqlen_k), seqused_k, block_table, int(num_splits))
-    return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, int(max_seqlen_q),
-                int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-                params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic))
+    return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+                                 int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left,
+                                 params.window_right, params.softcap, params.dropout_p, params.dropout_seed,
+                                 int(num_splits), bool(deterministic))
