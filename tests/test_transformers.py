@@ -130,14 +130,23 @@ def test_generate_gives_eager_greedy_tokens(cpu_backend, kind, cache):
 
 
 def test_training_step_gradients_match(cpu_backend):
-    """Loss and every parameter's gradient of a right-padded training batch, against float64 eager.
+    """Loss and every parameter's gradient of a right-padded training batch, against float64 eager."""
+    _check_training_step("cpu", torch.float32)
 
-    The oracle runs each sequence alone (see oracle_logits) and weighs its mean loss by its
-    number of labels, which is the batch's mean over all real labels.
-    """
-    model = make_model("mistral", seed=7).train()
-    oracle = copy.deepcopy(model).double()
-    ids, mask = batch_with_padding(8, [16, 11, 5], left=False)
+
+@pytest.mark.gpu
+def test_training_step_on_cuda():
+    """The same training step in bf16 on the GPU, through the Triton forward and backward kernels."""
+    _check_training_step("cuda", torch.bfloat16)
+
+
+def _check_training_step(device: str, dtype: torch.dtype) -> None:
+    """The oracle runs each sequence alone (see oracle_logits) in float64 and weighs its mean
+    loss by its number of labels, which is the batch's mean over all real labels; eager
+    attention in ``dtype`` sets the error budget (tests/tolerance.py)."""
+    model = make_model("mistral", seed=7, device=device, dtype=dtype).train()
+    oracle = make_model("mistral", seed=7, device=device, dtype=torch.float64).train()
+    ids, mask = batch_with_padding(8, [16, 11, 5], left=False, device=device)
     labels = ids.masked_fill(mask == 0, -100)
     lengths = mask.sum(1).tolist()
     oracle.set_attn_implementation("eager")
