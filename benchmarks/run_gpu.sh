@@ -16,6 +16,7 @@ set -uo pipefail  # no -e: one failing benchmark must not stop the others
 
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING="${TRITON_PRINT_AUTOTUNING:-1}"  # which tile each shape class got, in bench.log
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-bench_out}"
 PY="${PYTHON:-python}"
