@@ -1,10 +1,12 @@
-"""The two torch.library custom ops every public function goes through.
+"""Where every public function computes attention: ``attention()``, and the two custom ops.
 
 ``tileattn::fwd`` computes (out, lse) for dense, packed (varlen) and KV-cache layouts;
-``tileattn::bwd`` computes (dq, dk, dv). Registering them as custom ops with fake (meta)
-implementations lets ``torch.compile(fullgraph=True)`` trace a model that uses tileattn
-without graph breaks; ``register_autograd`` wires the backward. Both dispatch by device to
-a backend (``tileattn.ops.backend``).
+``tileattn::bwd`` computes (dq, dk, dv). Registering them as torch.library custom ops with
+fake (meta) implementations lets ``torch.compile(fullgraph=True)`` trace a model that uses
+tileattn without graph breaks; ``register_autograd`` wires the backward. In eager mode
+``attention()`` runs the same op bodies without the dispatcher (directly, or inside an
+``autograd.Function`` when gradients are needed). Both bodies dispatch by device to a
+backend (``tileattn.ops.backend``).
 """
 
 from __future__ import annotations
