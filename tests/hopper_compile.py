@@ -119,6 +119,11 @@ def forward_cases():
         cases.append((f"paged decode page {page} GQA split", t(4, 1, 32, 128), pool, pool.clone(), dict(
             params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 128], dtype=torch.int32),
             block_table=table, max_seqlen_q=1, max_seqlen_k=8 * page, num_splits=4)))
+    cache = t(2 * 64, 2, 128)  # cache_leftpad: a contiguous cache read as packed keys from each row's pad
+    cases.append(("cache_leftpad: packed keys, seqused_k, GQA split", t(2, 8, 128), cache, cache.clone(), dict(
+        params=AttnParams(128**-0.5, -1, 0), cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([3, 74, 128], dtype=torch.int32), seqused_k=torch.tensor([20, 30], dtype=torch.int32),
+        max_seqlen_q=1, max_seqlen_k=64, num_splits=3)))
     for dtype, splits in ((torch.float16, 1), (torch.float32, 3)):  # contiguous cache, hdim 256, MQA
         cache = t(2, 512, 1, 256, dtype=dtype)
         cases.append((f"decode {dtype} d256 MQA splits {splits}", t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),

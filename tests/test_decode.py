@@ -144,7 +144,12 @@ def test_paged_kv_cache_helper(device):
     (lambda a: {**a, "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16),
                 "cache_seqlens": None}, ValueError, "cache_seqlens"),
-    (lambda a: {**a, "cache_leftpad": torch.zeros(2, dtype=torch.int32)}, NotImplementedError, "cache_leftpad"),
+    (lambda a: {**a, "cache_leftpad": torch.tensor([0, 9], dtype=torch.int32)}, IndexError, "cache_leftpad"),
+    (lambda a: {**a, "cache_leftpad": torch.tensor([-1, 0], dtype=torch.int32)}, IndexError, "cache_leftpad"),
+    (lambda a: {**a, "cache_leftpad": torch.zeros(2, dtype=torch.int64)}, TypeError, "cache_leftpad must be int32"),
+    (lambda a: {**a, "cache_leftpad": torch.zeros(2, dtype=torch.int32), "block_table": torch.tensor(
+        [[0, 1], [2, 3]], dtype=torch.int32), "k_cache": a["k_cache"].view(4, 4, 2, 16),
+                "v_cache": a["v_cache"].view(4, 4, 2, 16)}, NotImplementedError, "cache_leftpad with a paged"),
     (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, TypeError, "cache_batch_idx must be int32"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
@@ -212,6 +217,39 @@ def test_unused_block_table_entries_may_hold_anything(device):
         n = int(lens[b])
         torch.testing.assert_close(out[b:b + 1], tileattn.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 3])
+def test_cache_leftpad_reads_only_from_the_start(device, num_splits):
+    """Left-padded rows of a contiguous cache (slots before cache_leftpad hold NaN, as do slots
+    past the length): new keys appended, then causal attention over leftpad .. length + new."""
+    gen = torch.Generator().manual_seed(28)
+    dtype = torch.float16
+    batch, slots, new = 3, 40, 2
+    pads, lens = torch.tensor([0, 7, 30], dtype=torch.int32), torch.tensor([5, 33, 38], dtype=torch.int32)
+    q = torch.randn(batch, new, 8, 64, generator=gen).to(dtype)
+    k_new = torch.randn(batch, new, 2, 64, generator=gen).to(dtype)
+    v_new = torch.randn(batch, new, 2, 64, generator=gen).to(dtype)
+    k = torch.randn(batch, slots, 2, 64, generator=gen).to(dtype)
+    v = torch.randn(batch, slots, 2, 64, generator=gen).to(dtype)
+    for b in range(batch):
+        for t in (k, v):
+            t[b, :pads[b]] = float("nan")
+            t[b, lens[b]:] = float("nan")
+    k_cache, v_cache = k.to(device), v.to(device)
+    out, lse = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_cache, v_cache, k=k_new.to(device), v=v_new.to(device), cache_seqlens=lens.to(device),
+        cache_leftpad=pads.to(device), causal=True, num_splits=num_splits, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, 8, new)
+    for b in range(batch):
+        lo, hi = int(pads[b]), int(lens[b])
+        keys, values = torch.cat([k[b:b + 1, lo:hi], k_new[b:b + 1]], 1), torch.cat([v[b:b + 1, lo:hi], v_new[b:b + 1]], 1)
+        assert torch.equal(k_cache[b, hi:hi + new].cpu(), k_new[b])  # appended in place at cache_seqlens
+        ref_o, ref_lse = R.attention_naive(q[b:b + 1].double().numpy(), keys.double().numpy(), values.double().numpy(),
+                                           causal=True)
+        plain_o, plain_lse = plain_attention(q[b:b + 1], keys, values, causal=True)
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        assert_within(f"lse[{b}]", lse[b:b + 1], plain_lse, ref_lse)
 
 
 def test_cache_batch_idx_reads_and_appends_the_named_rows(device):

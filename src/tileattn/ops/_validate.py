@@ -142,12 +142,14 @@ def check_cu_seqlens(name: str, cu, total: int, max_seqlen: int) -> None:
 
 
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
-                       num_blocks: int = 0, rotary_len: int | None = None, table_name: str = "block_table") -> None:
+                       num_blocks: int = 0, rotary_len: int | None = None, table_name: str = "block_table",
+                       leftpad=None) -> None:
     """KV-cache lengths and block-table entries, read back with one device-to-host copy.
 
     After appending ``new_tokens``, every length must fit the capacity, and every block-table
     entry that a sequence's keys live in must index the pool (entries past a sequence's last
-    page are never read, so they may hold anything).
+    page are never read, so they may hold anything). A sequence's ``leftpad`` (the slot its
+    keys start at) must lie within 0 .. its length.
     """
     if seqlens.numel() == 0 or not value_checks_enabled(seqlens):
         return
@@ -155,9 +157,14 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     has_table = block_table is not None and block_table.numel() > 0
     # The one device-to-host copy (lengths and table together), then a few numpy reductions:
     # cheaper on the host than the handful of small reduction kernels the device would run.
-    read = torch.cat([seqlens, block_table.reshape(-1)]) if has_table else seqlens
-    host = read.cpu().numpy().astype(np.int64)
+    parts = [seqlens] + ([leftpad] if leftpad is not None else []) + ([block_table.reshape(-1)] if has_table else [])
+    host = (torch.cat(parts) if len(parts) > 1 else seqlens).cpu().numpy().astype(np.int64)
     lengths = host[:batch]
+    if leftpad is not None:
+        pads, host = host[batch:2 * batch], np.concatenate([lengths, host[2 * batch:]])
+        if (pads < 0).any() or (pads > lengths).any():
+            fail(IndexError, f"cache_leftpad must lie within 0..cache_seqlens of each sequence, found "
+                             f"{pads.tolist()} for lengths {lengths.tolist()}")
     total = lengths + new_tokens
     lo, hi = int(lengths.min()), int(total.max())
     table = []

@@ -12,7 +12,11 @@ cache_seqlens[b] + seqlen_new keys; causal is aligned bottom-right, so a q of se
 tokens is exactly the tail of the sequence. (The caller advances cache_seqlens afterwards,
 as with flash-attn.) ``cache_batch_idx`` (batch,) int32 picks the contiguous cache's row
 of each sequence (a cache with more rows than the batch); rows named twice get the append
-of either sequence. With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
+of either sequence. ``cache_leftpad`` (batch,) int32 says where each sequence's keys
+start in a contiguous cache: sequence b attends to slots cache_leftpad[b] ...
+cache_seqlens[b] + seqlen_new - 1 (the slots before it are padding, never read); causal
+alignment counts from there. It is not combined with a paged cache, cache_batch_idx or
+rotary embedding (NotImplementedError). With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new
 keys are rotated at their positions before they are written, and q at the same positions
 when causal or local (otherwise all of q at position cache_seqlens), pairing features
 GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.ops.rotary``).
@@ -44,8 +48,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
     """
-    if cache_leftpad is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad is not supported by tileattn yet")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
     batch = q.shape[0]
@@ -67,6 +69,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
         capacity = k_cache.shape[1]
     cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+    if cache_leftpad is not None:
+        if block_table is not None:
+            raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table) or "
+                                      "cache_batch_idx")
+        if rotary_cos is not None:
+            raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with rotary_cos/rotary_sin")
+        V.check_int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
+        if batch * capacity >= 2**31:
+            V.fail(ValueError, f"cache_leftpad needs batch x seqlen_cache < 2**31, got {batch} x {capacity}")
     if (k is None) != (v is None):
         V.fail(ValueError, "pass both k and v to append, or neither")
     if k is not None:
@@ -83,7 +94,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                f"and {k.shape[1]}")
         rotary_len = check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
     V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                         rotary_len=rotary_len, table_name="block_table" if paged else "cache_batch_idx")
+                         rotary_len=rotary_len, table_name="block_table" if paged else "cache_batch_idx",
+                         leftpad=cache_leftpad)
     seqused_k = cache_seqlens
     if rotary_cos is not None:
         q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
@@ -97,10 +109,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            softcap=softcap, dropout_p=0.0)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     q = V.last_dim_contiguous(q)
-    out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                         max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                         num_splits=num_splits)
+    if cache_leftpad is not None:
+        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad, num_splits)
+    else:
+        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                             num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, num_splits):
+    """Attention over cache rows leftpad[b] .. seqused_k[b] - 1 of each sequence b.
+
+    The cache is read as packed keys (batch x seqlen_cache rows): sequence b's keys start at
+    row b * seqlen_cache + leftpad[b] and number seqused_k[b] - leftpad[b]. q is packed alike,
+    seqlen_q rows per sequence. The varlen kernel then does the rest, with no copy of the
+    cache when its first two dimensions are contiguous.
+    """
+    batch, seqlen_q, nheads, headdim = q.shape
+    slots = k_cache.shape[1]
+    starts = torch.arange(batch, dtype=torch.int32, device=q.device) * slots + leftpad
+    cu_k = torch.cat([starts, starts.new_full((1,), batch * slots)])  # only the starts are read
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    out, lse = attention(q.reshape(batch * seqlen_q, nheads, headdim), k_cache.flatten(0, 1),
+                         v_cache.flatten(0, 1), params, alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                         max_seqlen_q=seqlen_q, max_seqlen_k=slots, seqused_k=seqused_k - leftpad,
+                         num_splits=num_splits)
+    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _rotate(q, k, cos, sin, cache_seqlens, interleaved: bool, per_token_q: bool):
