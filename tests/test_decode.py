@@ -252,6 +252,22 @@ def test_cache_leftpad_reads_only_from_the_start(device, num_splits):
         assert_within(f"lse[{b}]", lse[b:b + 1], plain_lse, ref_lse)
 
 
+def test_cache_leftpad_at_the_length_leaves_no_key(device):
+    """A sequence padded up to its length sees no key: output 0, LSE -inf, no NaN from the pad."""
+    gen = torch.Generator().manual_seed(29)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(device)
+    k_cache = torch.full((2, 8, 2, 16), float("nan"), device=device)
+    v_cache = torch.full((2, 8, 2, 16), float("nan"), device=device)
+    k_cache[0, 2:5], v_cache[0, 2:5] = torch.randn(2, 3, 2, 16, generator=gen).to(device)
+    out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                cache_seqlens=torch.tensor([5, 3], dtype=torch.int32, device=device),
+                                                cache_leftpad=torch.tensor([2, 3], dtype=torch.int32, device=device),
+                                                return_softmax_lse=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    torch.testing.assert_close(out[:1], tileattn.flash_attn_func(q[:1], k_cache[:1, 2:5], v_cache[:1, 2:5]),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_cache_batch_idx_reads_and_appends_the_named_rows(device):
     """A contiguous cache of 5 rows serving a batch of 2 through cache_batch_idx."""
     gen = torch.Generator().manual_seed(27)
