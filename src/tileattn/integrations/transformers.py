@@ -89,7 +89,9 @@ def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     width = attention_mask.shape[1]
     filled = q_offset - kv_offset + q_length  # key slots in use: kv_length unless the cache is static
-    if isinstance(filled, torch.Tensor) or filled < kv_length or width < kv_length:
+    if not isinstance(filled, torch.Tensor):
+        filled = min(filled, width)  # a mask shorter than the keys: the slots past it are not filled
+    if isinstance(filled, torch.Tensor) or filled < kv_length:
         mask = F.pad(attention_mask, (0, kv_length - width), value=False).to(torch.int8)
         slots = torch.arange(kv_length, device=mask.device)
         in_use = slots < torch.as_tensor(filled, device=mask.device)
