@@ -1,5 +1,6 @@
 """Ring attention across processes on torch.distributed (gloo on CPU, NCCL on GPU)."""
 
+from . import ring
 from .ring import (
     LAYOUTS,
     contiguous_shard,
@@ -9,11 +10,4 @@ from .ring import (
     zigzag_unshard,
 )
 
-__all__ = [
-    "ring_flash_attn_func",
-    "zigzag_shard",
-    "zigzag_unshard",
-    "contiguous_shard",
-    "contiguous_unshard",
-    "LAYOUTS",
-]
+__all__ = list(ring.__all__)
