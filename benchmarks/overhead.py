@@ -3,7 +3,7 @@
 For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
 caches) and a short prefill (32×16 heads of 512 tokens), it prints the wall time per call
 of a loop of calls (host-bound when the GPU work is shorter), the same for the backend
-launcher alone (no input checks, no custom op), the GPU kernels each call launches, and
+launcher alone (no input checks, no custom op), the GPU kernels each call launches with their start and duration on the device, and
 cProfile's top functions by own time.
 
     python benchmarks/overhead.py [--calls 200] [--top 18]
@@ -34,12 +34,19 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def kernels_launched(fn) -> list[str]:
+    """Each GPU kernel of one call after an L2 flush: 'name start+duration µs' (start from the first)."""
     from torch.profiler import ProfilerActivity, profile
 
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda.synchronize()
         fn()
         torch.cuda.synchronize()
-    return [e.name[:40] for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    kernels = kernels[1:]  # the flush
+    t0 = kernels[0].time_range.start if kernels else 0
+    return [f"{e.name[:32]} {e.time_range.start - t0:.1f}+{e.time_range.elapsed_us():.1f}µs" for e in kernels]
 
 
 def top_functions(fn, calls: int, top: int) -> str:

@@ -37,7 +37,13 @@ PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alo
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
 MAX_SPLITS = 128
 COMBINE_BLOCK_S = 16  # splits merged at once
-DECODE_BLOCK_N = 64
+# The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
+# per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
+# pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
+DECODE_BLOCK_N = 128
+DECODE_BLOCK_N_WHOLE_PAGES = 64
+DECODE_NUM_WARPS = 4
+DECODE_MAX_STAGES = 3  # fewer when the staged K/V tiles would not fit in shared memory
 SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the compiler's scratch
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -78,28 +84,45 @@ def _attn_fwd_tuned(bucket: int) -> Tuned:
     return Tuned(_attn_fwd_kernel, _prefill_configs(), _TUNE_KEY, _prune_configs)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda" or interpreting():
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     """Multiprocessors of CUDA device ``index`` (asked once: a decoding step calls this every time)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _auto_splits(programs: int, key_blocks: int, device: torch.device) -> int:
-    """Flash-decoding split count: enough programs for about two waves on the GPU's SMs.
+def _auto_splits(programs: int, key_blocks: int, device: torch.device, waves: int) -> int:
+    """Flash-decoding split count: as many splits as keep the programs within ``waves`` waves on the SMs.
 
-    1 when ``programs`` already fill the SMs (or on the CPU / interpreter); never more splits
-    than key blocks (each split keeps at least one) nor ``MAX_SPLITS``.
+    1 when ``programs`` already fill that (or on the CPU / interpreter); never more splits than
+    key blocks (each split keeps at least one) nor ``MAX_SPLITS``. Measured on the H200
+    (benchmarks/decode_tiles.py, docs/perf-notes.md): a contiguous cache is fastest with one
+    wave (batch 1: 16 splits of 8 KV heads; a partial second wave cost up to 20 %), a paged one
+    with two, whose second program per SM hides the latency of the block-table lookups.
     """
-    sms = _num_sms(device)
-    if programs >= sms:
+    if device.type != "cuda" or interpreting():
         return 1
-    return max(1, min(math.ceil(2 * sms / programs), key_blocks, MAX_SPLITS))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(waves * sms // programs, key_blocks, MAX_SPLITS))
+
+
+def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the decode launch; ``page_size`` 0 for a contiguous cache.
+
+    ``DECODE_BLOCK_N`` keys (``DECODE_BLOCK_N_WHOLE_PAGES`` when pages hold whole tiles) with
+    ``DECODE_MAX_STAGES``; when the staged tiles do not fit in shared memory (large head dims,
+    fp32), fewer stages down to 2, then fewer keys per tile down to 16, then 1 stage.
+    """
+    whole_pages = page_size > 0 and page_size % DECODE_BLOCK_N_WHOLE_PAGES == 0
+    block_n = DECODE_BLOCK_N_WHOLE_PAGES if whole_pages else DECODE_BLOCK_N
+    stages = DECODE_MAX_STAGES
+    while _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size) > SMEM_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            return block_n, 1
+    return block_n, stages
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -157,10 +180,10 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     heads_grid = nheads_k if pack_gqa else nheads
     decode = max_rows <= DECODE_MAX_ROWS
     block_m = max(16, triton.next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
-    block_n = DECODE_BLOCK_N  # also the key block the split heuristic counts in
+    block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, q.element_size())
     if num_splits == 0:
         programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
-        num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device)
+        num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device, waves=2 if paged else 1)
     split_kv = num_splits > 1
 
     if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
@@ -205,8 +228,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         return (batch * heads_grid * triton.cdiv(max_rows, meta["BLOCK_M"]), num_splits)
 
     if decode:
-        stages = 3 if _smem_bytes(block_m, block_n, 3, head_dim_pad, q.element_size()) <= SMEM_BUDGET else 2
-        _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
+        _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=DECODE_NUM_WARPS,
+                               num_stages=stages)
     elif autotune_enabled():
         key = tuple(flags[name] for name in _TUNE_KEY) + (q.dtype,)
         _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k)).launch(grid, key, args, flags)
