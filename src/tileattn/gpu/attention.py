@@ -85,24 +85,28 @@ def _attn_fwd_tuned(bucket: int) -> Tuned:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    """Multiprocessors of CUDA device ``index`` (asked once: a decoding step calls this every time)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _gpu_limits(index: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory one block may use) of CUDA device ``index``, asked once:
+    a decoding step needs them every time."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
-def _auto_splits(programs: int, key_blocks: int, device: torch.device, waves: int) -> int:
-    """Flash-decoding split count: as many splits as keep the programs within ``waves`` waves on the SMs.
+def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_smem: int, waves: int) -> int:
+    """Flash-decoding split count: enough programs for ``waves`` waves of the programs the GPU holds at once.
 
-    1 when ``programs`` already fill that (or on the CPU / interpreter); never more splits than
+    The GPU holds about ``SMs x (shared memory a block may use // program_smem)`` programs at once. 1 when
+    ``programs`` already fill the waves (or on the CPU / interpreter); never more splits than
     key blocks (each split keeps at least one) nor ``MAX_SPLITS``. Measured on the H200
     (benchmarks/decode_tiles.py, docs/perf-notes.md): a contiguous cache is fastest with one
     wave (batch 1: 16 splits of 8 KV heads; a partial second wave cost up to 20 %), a paged one
-    with two, whose second program per SM hides the latency of the block-table lookups.
+    with two, which hide the latency of the block-table lookups.
     """
     if device.type != "cuda" or interpreting():
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(waves * sms // programs, key_blocks, MAX_SPLITS))
+    sms, smem = _gpu_limits(device.index if device.index is not None else torch.cuda.current_device())
+    resident = sms * max(1, smem // program_smem)
+    return max(1, min(waves * resident // programs, key_blocks, MAX_SPLITS))
 
 
 def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int) -> tuple[int, int]:
@@ -183,7 +187,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, q.element_size())
     if num_splits == 0:
         programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
-        num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device, waves=2 if paged else 1)
+        smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, q.element_size())
+        num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device, smem, waves=2 if paged else 1)
     split_kv = num_splits > 1
 
     if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
