@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tileattn import reference
+import tileattn.gpu.attention as launch
 from tileattn.gpu.attention import attn_fwd
 from tileattn.ops.backend import AttnParams
 
@@ -215,6 +216,35 @@ def test_launcher_rejects_bad_options():
         attn_fwd(q, q, q, out, lse, params=_params(32), num_splits=-1)
     with pytest.raises(ValueError, match="seqused_k"):
         attn_fwd(q, q, q, out, lse, params=_params(32), block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("page_size", [0, 7, 16, 64, 256])
+def test_decode_tile_fits_and_keeps_a_pipeline(block_m, page_size):
+    """Every decode tile the launcher can pick fits in shared memory with two or more stages;
+    pages of 64 keys or more hold whole tiles (one table lookup per tile)."""
+    for head_dim_pad in (16, 32, 64, 128, 256):
+        for elem in (2, 4):
+            block_n, stages = launch._decode_tile(block_m, page_size, head_dim_pad, elem)
+            assert launch._smem_bytes(block_m, block_n, stages, head_dim_pad, elem) <= launch.SMEM_BUDGET
+            assert stages >= 2 and 16 <= block_n <= launch.DECODE_BLOCK_N
+            if page_size >= launch.DECODE_BLOCK_N_WHOLE_PAGES:
+                assert page_size % block_n == 0
+
+
+def test_auto_splits_fill_the_waves(monkeypatch):
+    """The split rule on an H200-like GPU (132 SMs, 227 KB per block), without one."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_gpu_limits", lambda index: (132, 232448))
+    gpu = torch.device("cuda", 0)
+    big, small = 200 * 1024, 100 * 1024  # one or two programs per SM
+    assert launch._auto_splits(8, 64, gpu, big, waves=1) == 16  # batch 1 x 8 KV heads: one wave
+    assert launch._auto_splits(8, 256, gpu, big, waves=2) == 33  # paged: two
+    assert launch._auto_splits(128, 256, gpu, small, waves=2) == 4  # two programs per SM, two waves
+    assert launch._auto_splits(8, 5, gpu, big, waves=1) == 5  # never more splits than key blocks
+    assert launch._auto_splits(1, 4096, gpu, small, waves=2) == launch.MAX_SPLITS
+    assert launch._auto_splits(512, 256, gpu, big, waves=1) == 1  # the GPU is full already
+    assert launch._auto_splits(8, 64, torch.device("cpu"), big, waves=1) == 1
 
 
 # ----------------------------------------------------------------- larger shapes, GPU only
