@@ -1,7 +1,7 @@
 """Host overhead: what one eager call costs the CPU before its kernels run, and where it goes.
 
 For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
-caches) and a short prefill (32×16 heads of 512 tokens), it prints the wall time per call
+caches) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it prints the wall time per call
 of a loop of calls (host-bound when the GPU work is shorter), the same for the backend
 launcher alone (no input checks, no custom op), the GPU kernels each call launches with their start and duration on the device, and
 cProfile's top functions by own time.
@@ -86,6 +86,14 @@ def cases():
     qp = torch.randn(32, 512, 16, 128, device=dev, dtype=dt)
     kp, vp = torch.randn_like(qp), torch.randn_like(qp)
     yield "prefill 512", lambda: tileattn.flash_attn_func(qp, kp, vp)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (qp, kp, vp))
+    grad = torch.randn_like(qp)
+
+    def forward_backward():
+        tileattn.flash_attn_func(qg, kg, vg).backward(grad)
+        qg.grad = kg.grad = vg.grad = None
+
+    yield "prefill 512 forward+backward", forward_backward
     outp = torch.empty_like(qp)
     lsep = torch.empty((32, 16, 512), device=dev, dtype=torch.float32)
     yield "prefill 512 launcher only", lambda: gpu.attn_fwd(qp, kp, vp, outp, lsep, params=params)
