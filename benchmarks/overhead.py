@@ -1,10 +1,11 @@
 """Host overhead: what one eager call costs the CPU before its kernels run, and where it goes.
 
 For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
-caches) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it prints the wall time per call
-of a loop of calls (host-bound when the GPU work is shorter), the same for the backend
-launcher alone (no input checks, no custom op), the GPU kernels each call launches with their start and duration on the device, and
-cProfile's top functions by own time.
+caches) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it
+prints the wall time per call of a loop of calls (host-bound when the GPU work is shorter),
+the same for the backend launcher alone (no input checks, no custom op), the GPU kernels each
+call launches with their start and duration on the device, and cProfile's top functions by
+own time.
 
     python benchmarks/overhead.py [--calls 200] [--top 18]
 """
