@@ -1,0 +1,61 @@
+"""The benchmark scripts keep working: each runs with ``--smoke`` (tiny fp32 shapes on the CPU)
+in a fresh process and writes its CSV, and the outputs it compares agree.
+
+Speed is never checked here (benchmarks measure it on the GPU). The numbers checked are the
+scripts' own sanity checks: each output's largest difference from the script's reference
+(decode.py and decode_tiles.py: an fp32 softmax; prefill.py: the first implementation's
+output, which SDPA's rows are then compared with), so a script that stopped computing the
+right thing, or stopped running at all, fails.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+FP32_AGREEMENT = 1e-4  # tiny fp32 problems: the implementations agree to about 1e-6
+
+
+def run_smoke(script: str, out: Path, env: dict | None = None) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    csv_path = out / script.replace(".py", ".csv")
+    assert csv_path.exists(), f"{script} wrote no {csv_path.name}"
+    with open(csv_path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def errors(rows: list[dict]) -> list[float]:
+    return [float(r["err"]) for r in rows if r.get("err")]
+
+
+@pytest.mark.parametrize("script", ["prefill.py", "decode.py"])
+def test_benchmark_outputs_agree(tmp_path, script):
+    rows = run_smoke(script, tmp_path)
+    tile_rows = [r for r in rows if r["impl"].startswith(("tileattn", "paged"))]
+    assert tile_rows and all(r["note"] == "" or "CUDA" in r["note"] for r in tile_rows), tile_rows
+    errs = errors(rows)
+    assert len(errs) > len(tile_rows) // 2, "too few outputs were compared"
+    assert max(errs) < FP32_AGREEMENT, f"{script}: outputs differ by {max(errs):.3e}"
+
+
+def test_window_benchmark_times_every_window(tmp_path):
+    rows = run_smoke("window.py", tmp_path)
+    tile_rows = [r for r in rows if r["impl"] == "tileattn"]
+    assert len(tile_rows) >= 2 and all(float(r["fwd_ms"]) > 0 and float(r["fwdbwd_ms"]) > 0 for r in tile_rows)
+
+
+def test_decode_tile_sweep_through_the_triton_kernels(tmp_path):
+    """decode_tiles.py sets the launcher's decode constants; its outputs come from the Triton
+    kernels (the interpreter on CPU tensors) with each tile it sets."""
+    rows = run_smoke("decode_tiles.py", tmp_path, env={"TILEATTN_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+    assert {r["case"] for r in rows} == {"b1 300", "b2 300 paged16"}
+    errs = errors(rows)
+    assert len(errs) == len(rows) and max(errs) < FP32_AGREEMENT
