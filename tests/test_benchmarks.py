@@ -4,8 +4,8 @@ in a fresh process and writes its CSV, and the outputs it compares agree.
 Speed is never checked here (benchmarks measure it on the GPU). The numbers checked are the
 scripts' own sanity checks: each output's largest difference from the script's reference
 (decode.py and decode_tiles.py: an fp32 softmax; prefill.py: the first implementation's
-output, which SDPA's rows are then compared with), so a script that stopped computing the
-right thing, or stopped running at all, fails.
+output, which SDPA's rows are then compared with; generate.py: SDPA's greedy tokens), so a
+script that stopped computing the right thing, or stopped running at all, fails.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 FP32_AGREEMENT = 1e-4  # tiny fp32 problems: the implementations agree to about 1e-6
 
 
-def run_smoke(script: str, out: Path, env: dict | None = None) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--device", "cpu", "--out", str(out)],
+def run_smoke(script: str, out: Path, env: dict | None = None, extra: tuple = ()) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--device", "cpu", "--out", str(out),
+                           *extra],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     csv_path = out / script.replace(".py", ".csv")
@@ -59,3 +60,11 @@ def test_decode_tile_sweep_through_the_triton_kernels(tmp_path):
     assert {r["case"] for r in rows} == {"b1 300", "b2 300 paged16"}
     errs = errors(rows)
     assert len(errs) == len(rows) and max(errs) < FP32_AGREEMENT
+
+
+def test_generate_benchmark_gives_sdpa_tokens(tmp_path):
+    """generate.py on the tiny CPU model in fp32: tileattn decodes the same greedy tokens as SDPA."""
+    pytest.importorskip("transformers")
+    rows = run_smoke("generate.py", tmp_path, env={"TILEATTN_BACKEND": "cpu"}, extra=("--modes", "eager"))
+    tile = [r for r in rows if r["impl"] == "tileattn" and r["mode"] == "eager"]
+    assert tile and tile[0]["same_tokens"] == "100%" and float(tile[0]["tokens_per_s"]) > 0
