@@ -6,7 +6,11 @@ Every script in this folder is run as ``python benchmarks/<name>.py [--quick] [-
 Timing rules:
 
 * GPU: the median of ``triton.testing.do_bench(fn, warmup=25, rep=100)``; do_bench clears
-  the L2 cache before every repetition, so a kernel is timed reading from HBM.
+  the L2 cache before every repetition, so a kernel is timed reading from HBM. It clears it
+  by writing zeros to 256 MB, which leaves the L2 full of dirty lines: a kernel that reads
+  less than the L2 holds also pays for writing those back. ``bench(..., l2="read")`` clears
+  it by reading the 256 MB instead (clean lines), with the same warm-up, repetition time and
+  median: the state a serving loop's attention finds after kernels that mostly read weights.
 * CPU: the median of ``time.perf_counter`` over a few repetitions after one warm-up call.
 
 Counting rules (see docs/benchmarks.md):
@@ -91,9 +95,13 @@ def cpu_model() -> str:
 
 
 # ----------------------------------------------------------------------------- timing
-def bench(fn: Callable[[], object], device: str, grad_to_none: Sequence | None = None, cpu_reps: int = 5) -> float:
-    """Median milliseconds of one call of ``fn`` (see the module docstring)."""
+def bench(fn: Callable[[], object], device: str, grad_to_none: Sequence | None = None, cpu_reps: int = 5,
+          l2: str = "zero") -> float:
+    """Median milliseconds of one call of ``fn`` (see the module docstring); ``l2`` is how the
+    GPU's L2 is cleared before each repetition: "zero" (do_bench's own) or "read"."""
     if device.startswith("cuda"):
+        if l2 == "read":
+            return _bench_read_flush(fn, grad_to_none)
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS, grad_to_none=grad_to_none,
@@ -108,6 +116,41 @@ def bench(fn: Callable[[], object], device: str, grad_to_none: Sequence | None =
         if i:  # the first call is the warm-up
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _bench_read_flush(fn, grad_to_none) -> float:
+    """do_bench's loop with the L2 cleared by reading 256 MB (a sum), which leaves clean lines."""
+    import torch
+
+    flush = torch.zeros(64 * 2**20, dtype=torch.int32, device="cuda")
+
+    def clear():
+        flush.sum()
+        for t in grad_to_none or ():
+            t.grad = None
+
+    clear()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        clear()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)  # ms per (clear + call)
+    for _ in range(max(1, int(GPU_WARMUP_MS / estimate))):
+        fn()
+    reps = max(1, min(1000, int(GPU_REP_MS / estimate)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
+        clear()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
 def cuda_graph(fn: Callable[[], object]):

@@ -9,7 +9,12 @@ SDPA flash and cuDNN on transposed views of the same contiguous cache, with
 ``enable_gqa=True`` (or K/V repeated per query head beforehand if a backend refuses it: the
 note column says so). Every output is compared with an fp32 reference (``err``).
 
-    python benchmarks/decode.py [--quick] [--out DIR] [--dry-run] [--smoke]
+With ``--l2 read`` every implementation is timed with the L2 cleared by a read instead of
+do_bench's write of zeros (``common.bench``): the dirty lines the write leaves cost a
+kernel that reads less than the L2 holds an extra write-back. The default is do_bench's, as
+in ANCHORS.md.
+
+    python benchmarks/decode.py [--quick] [--out DIR] [--dry-run] [--smoke] [--l2 zero|read]
 """
 
 from __future__ import annotations
@@ -109,12 +114,13 @@ def run_case(case: dict, args, dtype) -> list[dict]:
             out, err = common.attempt(fn)
             out = captured if captured is not None else out
         if out is not None:
-            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3))
+            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3, l2=args.l2))
         bw = common.gbs(case["kv_bytes"], ms)
         diff = None if out is None else (out.float() - ref).abs().max().item()
         if diff is not None and not diff < float("inf"):
             err = f"WRONG OUTPUT: NaN or inf (max |out - ref| = {diff}); {err or note}"
-        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, us=ms and ms * 1e3, gbs=bw,
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, l2=args.l2,
+                         us=ms and ms * 1e3, gbs=bw,
                          pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS, err=diff, note=err or note))
 
     def tile(kc, vc, table):
@@ -152,7 +158,8 @@ def tables(cases, rows) -> None:
         body_us.append(key + [f"{common.fmt(r['us'])} ({common.fmt(r['gbs'], 0)})" if r else "–" for r in cells])
         body_pct.append(key + [common.fmt(r["pct_hbm"], 0) if r else "–" for r in cells])
     header = ["batch", "kv len", "K+V MB", *IMPLS]
-    common.print_table("Decoding: µs (GB/s), K+V bytes read once", header, body_us)
+    flush = "by a read" if rows and rows[0]["l2"] == "read" else "by writing zeros (do_bench)"
+    common.print_table(f"Decoding: µs (GB/s), K+V bytes read once; L2 cleared {flush}", header, body_us)
     common.print_table(f"Decoding: % of {common.HBM_PEAK_GBS / 1000:.1f} TB/s", header, body_pct)
     worst = max((r["err"] for r in rows if r["err"] is not None and r["err"] < float("inf")), default=None)
     print(f"largest finite |out − fp32 reference| over all outputs: {common.fmt(worst, 4)}")
@@ -178,7 +185,8 @@ def plot(cases, rows, path, env) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--l2", choices=("zero", "read"), default="zero", help="how the L2 is cleared before each repetition"))
     cases = build_cases(args)
     if args.dry_run:
         common.print_table("decode cases", ["batch", "kv len", "K+V MB", "µs at 4.8 TB/s"],

@@ -3,7 +3,9 @@
 #
 # 1. the GPU tests (pytest -m gpu -x -q tests), output in $OUT/gpu_tests.log;
 # 2. benchmarks/prefill.py, decode.py, window.py, all output appended to $OUT/bench.log,
-#    each writing <name>.csv and <name>.png into $OUT (8 files at most in all);
+#    each writing <name>.csv and <name>.png into $OUT (8 files at most in all), and
+#    decode.py --quick --l2 read (the L2 cleared by a read, not by writing zeros) into
+#    $OUT/l2read;
 # 3. benchmarks/summary.py: the short combined table, printed last.
 #
 # A failing or timed-out step never stops the next one. Every step runs under `timeout`,
@@ -77,6 +79,9 @@ if ((TESTS)); then
 fi
 run_step "prefill" "$(allowed "$T_PRE" 90)" "$OUT/bench.log" "$PY" benchmarks/prefill.py $QUICK $BENCH_ARGS --out "$OUT"
 run_step "decode" "$(allowed "$T_DEC" 50)" "$OUT/bench.log" "$PY" benchmarks/decode.py $QUICK $BENCH_ARGS --out "$OUT"
+mkdir -p "$OUT/l2read"
+run_step "decode-l2read" "$(allowed 60 40)" "$OUT/bench.log" "$PY" benchmarks/decode.py --quick --l2 read $BENCH_ARGS \
+  --out "$OUT/l2read"
 run_step "window" "$(allowed "$T_WIN" 10)" "$OUT/bench.log" "$PY" benchmarks/window.py $QUICK $BENCH_ARGS --out "$OUT"
 
 "$PY" benchmarks/summary.py "$OUT" "${STATUS[@]}" "total=${SECONDS}s" 2>&1 | tee -a "$OUT/bench.log"
