@@ -182,6 +182,10 @@ def test_bad_tensors_raise(make, error, words):
     (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "float32"),
     (dict(softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
 ])
 def test_bad_options_raise(kwargs, error, words):
     with pytest.raises(error, match=words):

@@ -8,6 +8,7 @@ so a decoding step stays free of host-device synchronisation there.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -83,6 +84,8 @@ def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dr
         softmax_scale = headdim**-0.5
     if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, numbers.Real):
         fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        fail(ValueError, f"softmax_scale must be finite, got {softmax_scale!r}")
     if not isinstance(causal, bool):
         fail(TypeError, f"causal must be a bool, got {type(causal).__name__}")
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
@@ -93,8 +96,9 @@ def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dr
         fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
     if causal:
         right = 0
-    if isinstance(softcap, (torch.Tensor, bool)) or not isinstance(softcap, numbers.Real) or softcap < 0:
-        fail(ValueError, f"softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    if (isinstance(softcap, (torch.Tensor, bool)) or not isinstance(softcap, numbers.Real) or not softcap >= 0
+            or not math.isfinite(softcap)):
+        fail(ValueError, f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     if isinstance(dropout_p, (torch.Tensor, bool)) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return AttnParams(float(softmax_scale), int(left), int(right), float(softcap), float(dropout_p), int(dropout_seed))
