@@ -74,8 +74,9 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, q, max_seqlen_q, max_seqlen_k) ->
 def _check_pool(k_pool, v_pool, q) -> None:
     for name, t in (("k", k_pool), ("v", v_pool)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            V.fail(ValueError, f"with block_table, {name} must be a 4-D pool (num_blocks, block_size, nheads_k, "
-                               f"headdim), got {getattr(t, 'shape', t)}")
+            V.fail(ValueError, f"the {name} cache must be 4-D: (batch, seqlen_cache, nheads_k, headdim), or with "
+                               f"block_table a pool (num_blocks, block_size, nheads_k, headdim); got "
+                               f"{getattr(t, 'shape', t)}")
         if t.dtype != q.dtype or t.device != q.device:
             V.fail(TypeError, f"{name} cache must match q's dtype and device ({q.dtype}, {q.device}), "
                               f"got {t.dtype}, {t.device}")
