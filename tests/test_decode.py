@@ -153,6 +153,8 @@ def test_paged_kv_cache_helper(device):
     (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, TypeError, "cache_batch_idx must be int32"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
+    (lambda a: {**a, "k_cache": a["k_cache"][0], "v_cache": a["v_cache"][0]}, ValueError,
+     r"cache must be 4-D: \(batch, seqlen_cache"),
 ])
 def test_kvcache_bad_input_raises(change, error, words):
     args = dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.randn(2, 8, 2, 16), v_cache=torch.randn(2, 8, 2, 16),
