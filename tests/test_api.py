@@ -186,6 +186,8 @@ def test_bad_tensors_raise(make, error, words):
     (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
     (dict(softcap=float("nan")), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(deterministic="false"), TypeError, "deterministic must be a bool"),
+    (dict(return_attn_probs=1), TypeError, "return_attn_probs must be a bool"),
 ])
 def test_bad_options_raise(kwargs, error, words):
     with pytest.raises(error, match=words):

@@ -153,6 +153,7 @@ def test_paged_kv_cache_helper(device):
     (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, TypeError, "cache_batch_idx must be int32"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
+    (lambda a: {**a, "return_softmax_lse": "yes"}, TypeError, "return_softmax_lse must be a bool"),
     (lambda a: {**a, "k_cache": a["k_cache"][0], "v_cache": a["v_cache"][0]}, ValueError,
      r"cache must be 4-D: \(batch, seqlen_cache"),
 ])

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops._validate import check_qkv, last_dim_contiguous, make_params
+from ..ops._validate import check_flags, check_qkv, last_dim_contiguous, make_params
 from ..ops.backend import AttnParams, backend_for
 from ..ops.merge import merge_states
 
@@ -279,8 +279,7 @@ def ring_flash_attn_func(q, k, v, causal=False, softmax_scale=None, group=None, 
         raise ValueError(f"a zigzag shard holds two equal chunks: seqlen_local must be even, got {q.shape[1]}")
     params = make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1),
                          softcap=0.0, dropout_p=0.0)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_flags(deterministic=deterministic, return_lse=return_lse)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs torch.distributed: call "
                            "torch.distributed.init_process_group first (a world of one rank works)")

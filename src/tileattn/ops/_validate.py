@@ -78,6 +78,14 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
+def check_flags(**flags) -> None:
+    """Boolean options (``deterministic``, ``return_attn_probs``, ...) must be bools: a string
+    such as "false" would otherwise count as true."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
+
+
 def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed=0) -> AttnParams:
     """Normalise the scalar options into AttnParams; causal becomes window_right = 0."""
     if softmax_scale is None:
@@ -86,8 +94,7 @@ def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dr
         fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale):
         fail(ValueError, f"softmax_scale must be finite, got {softmax_scale!r}")
-    if not isinstance(causal, bool):
-        fail(TypeError, f"causal must be a bool, got {type(causal).__name__}")
+    check_flags(causal=causal)
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         fail(TypeError, f"window_size must be a pair of ints (left, right), got {window_size!r}")

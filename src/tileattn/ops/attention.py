@@ -56,6 +56,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     O(N^2) tensor meant for tests, as in flash-attn.
     """
     V.check_qkv(q, k, v, packed=False)
+    V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     batch, seqlen_q = q.shape[0], q.shape[1]
     if k.shape[0] != batch:
         V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")

@@ -50,6 +50,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
+    V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
     batch = q.shape[0]
     _check_pool(k_cache, v_cache, q)
     V.check_qkv(q, k_cache, v_cache, packed=False)

@@ -31,6 +31,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fp32, and None where flash-attn gives a probability tensor (tileattn builds that test-only
     N x N tensor for ``flash_attn_func`` alone).
     """
+    V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     paged = block_table is not None
     if paged:
         V.check_qkv(q, q, q, packed=True)
