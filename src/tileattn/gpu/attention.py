@@ -52,8 +52,8 @@ def _prefill_configs():
     """The autotune set: (BLOCK_M, BLOCK_N, num_warps, num_stages) that suit Hopper."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
-              (64, 32, 4, 2)]
+    shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2),
+              (128, 32, 4, 3), (64, 32, 4, 2)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
