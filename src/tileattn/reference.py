@@ -49,6 +49,7 @@ __all__ = [
     "attention_naive_grad",
     "merge_states",
     "merge_many",
+    "online_softmax_step",
 ]
 
 
@@ -180,12 +181,31 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return out, lse
 
 
-def _online_softmax(score_tiles, guard=True):
-    """The FlashAttention recurrence over (scores, values, dropout-scale) key tiles.
+def online_softmax_step(m, l, acc, s, v_tile, drop=1.0, guard=True):
+    """One key tile of the FlashAttention recurrence, for each row of ``s`` (rows, tile keys)::
 
-    Keeps per row the running max m, the running sum l and the unnormalised output acc;
-    each tile rescales them by exp(m_old - m_new). ``guard=False`` omits the fully-masked
-    guard: a row whose first tiles are all -inf computes exp(-inf - (-inf)) = NaN.
+        m_new = max(m, max_j s_j)        alpha = exp(m - m_new)
+        l     = alpha l + sum_j exp(s_j - m_new)
+        acc   = alpha acc + sum_j exp(s_j - m_new) drop_j v_j
+
+    Returns ``(m_new, l, acc, alpha)``. With ``guard`` a row whose max is still -inf (every key
+    so far masked) subtracts 0 instead, so it keeps l = 0 rather than computing
+    exp(-inf - (-inf)) = NaN.
+    """
+    m_new = np.maximum(m, s.max(axis=1, initial=-np.inf))
+    m_use = np.where(np.isneginf(m_new), 0.0, m_new) if guard else m_new
+    with np.errstate(invalid="ignore"):
+        alpha = np.exp(m - m_use)  # the correction factor
+        p = np.exp(s - m_use[:, None])
+    return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + (p * drop) @ v_tile, alpha
+
+
+def _online_softmax(score_tiles, guard=True):
+    """The FlashAttention recurrence (``online_softmax_step``) over (scores, values,
+    dropout-scale) key tiles, then ``out = acc / l`` and ``lse = m + log l``.
+
+    ``guard=False`` omits the fully-masked guard: a row whose first tiles are all -inf
+    computes exp(-inf - (-inf)) = NaN.
     """
     m = l = acc = None
     for s, v_tile, drop in score_tiles:
@@ -193,14 +213,7 @@ def _online_softmax(score_tiles, guard=True):
             m = np.full(s.shape[0], -np.inf)
             l = np.zeros(s.shape[0])
             acc = np.zeros((s.shape[0], v_tile.shape[-1]))
-        m_new = np.maximum(m, s.max(axis=1, initial=-np.inf))
-        m_use = np.where(np.isneginf(m_new), 0.0, m_new) if guard else m_new
-        with np.errstate(invalid="ignore"):
-            alpha = np.exp(m - m_use)  # the correction factor
-            p = np.exp(s - m_use[:, None])
-        l = alpha * l + p.sum(axis=1)
-        acc = alpha[:, None] * acc + (p * drop) @ v_tile
-        m = m_new
+        m, l, acc, _ = online_softmax_step(m, l, acc, s, v_tile, drop, guard)
     empty = l == 0
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(empty[:, None], 0.0, acc / np.where(empty, 1.0, l)[:, None])

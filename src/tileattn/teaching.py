@@ -175,7 +175,7 @@ class TraceStep:
 
 
 def trace_online_softmax(keys: int = 16, tile: int = 4, seed: int = 0, headdim: int = 4):
-    """The online softmax on one query row, one key tile at a time::
+    """The online softmax on one query row, one key tile at a time (``reference.online_softmax_step``)::
 
         m_new = max(m, max_j s_j)        alpha = exp(m - m_new)
         l     = alpha l + sum_j exp(s_j - m_new)
@@ -188,17 +188,14 @@ def trace_online_softmax(keys: int = 16, tile: int = 4, seed: int = 0, headdim: 
     q, k, v = random_qkv(np.random.default_rng(seed), 1, 1, keys, 1, 1, headdim)
     exact = ref.attention_naive(q, k, v)[0][0, 0, 0]
     scores = (k[0, :, 0] @ q[0, 0, 0]) * headdim**-0.5
-    m, l, acc, steps = -np.inf, 0.0, np.zeros(headdim), []
+    m, l, acc, steps = np.full(1, -np.inf), np.zeros(1), np.zeros((1, headdim)), []
     for lo in range(0, keys, tile):
         cols = range(lo, min(lo + tile, keys))
         s = scores[lo:cols.stop]
-        m_new = max(m, s.max())
-        alpha = np.exp(m - m_new)  # 0 on the first tile: nothing to rescale yet
-        p = np.exp(s - m_new)
-        l = alpha * l + p.sum()
-        acc = alpha * acc + p @ v[0, lo:cols.stop, 0]
-        steps.append(TraceStep(cols, float(s.max()), float(m_new), float(alpha) if lo else float("nan"),
-                               bool(lo and m_new > m), float(l), acc / l, float(np.abs(acc / l - exact).max())))
+        m_new, l, acc, alpha = ref.online_softmax_step(m, l, acc, s[None], v[0, lo:cols.stop, 0])
+        o = acc[0] / l[0]  # alpha is 0 on the first tile: nothing to rescale yet
+        steps.append(TraceStep(cols, float(s.max()), float(m_new[0]), float(alpha[0]) if lo else float("nan"),
+                               bool(lo and m_new[0] > m[0]), float(l[0]), o, float(np.abs(o - exact).max())))
         m = m_new
     return scores, steps, exact
 
