@@ -226,6 +226,52 @@ def measure_ceilings(device: str) -> dict:
     return {"matmul_tflops": tflops(2 * n**3, mm_ms), "copy_gbs": gbs(2 * (1 << 30), cp_ms)}
 
 
+@functools.cache
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_all(X, Sink, n, BLOCK: tl.constexpr):
+        """Each program folds its strided share of ``X`` (int32 words) into one xor: every byte read once."""
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc ^= tl.load(X + offs, mask=offs < n, other=0)
+        tl.store(Sink + pid, tl.xor_sum(acc, 0))
+
+    return read_all
+
+
+def read_floor(nbytes: int, device: str, l2: str = "zero") -> float | None:
+    """Median ms of the fastest plain streaming read of ``nbytes`` (one kernel, replayed from a CUDA
+    graph, timed as ``bench(..., l2=l2)``): the least time a kernel that must read that many bytes
+    takes here, launch included. The best of a few grid and block sizes; None off the GPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    kernel = _read_kernel()
+    words = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    best = None
+    for per_sm in (2, 4, 8):
+        for block in (2048, 4096):
+            sink = torch.empty(sms * per_sm, dtype=torch.int32, device=device)
+
+            def run(sink=sink, block=block):
+                kernel[(sink.numel(),)](words, sink, words.numel(), BLOCK=block, num_warps=8)
+                return sink
+
+            replay, _ = cuda_graph(run)
+            ms = bench(replay, device, l2=l2)
+            best = ms if best is None else min(best, ms)
+    del words
+    free_cuda()
+    return best
+
+
 # ----------------------------------------------------------------------------- counting
 def attn_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, hdim: int, causal: bool = False) -> float:
     """Forward FLOPs of attention: 4·b·h·sq·sk·d, half when causal (the papers' convention)."""

@@ -7,7 +7,9 @@ of a pool larger than needed, holding the same keys), each timed eagerly and rep
 a CUDA graph (as serving loops do; eager calls include tileattn's input checks). Beside it,
 SDPA flash and cuDNN on transposed views of the same contiguous cache, with
 ``enable_gqa=True`` (or K/V repeated per query head beforehand if a backend refuses it: the
-note column says so). Every output is compared with an fp32 reference (``err``).
+note column says so). Every output is compared with an fp32 reference (``err``). Last, the
+``read floor``: the same number of bytes read by the fastest plain streaming kernel
+(``common.read_floor``, graph-replayed), the least time any decoding kernel could take here.
 
 With ``--l2 read`` every implementation is timed with the L2 cleared by a read instead of
 do_bench's write of zeros (``common.bench``): the dirty lines the write leaves cost a
@@ -24,7 +26,7 @@ import common
 NHEADS, NHEADS_K, HDIM = 32, 8, 128
 BLOCK_SIZES = (16, 256)
 IMPLS = ("tileattn", "tileattn·graph", "paged16", "paged16·graph", "paged256", "paged256·graph",
-         "sdpa flash", "sdpa cudnn")
+         "sdpa flash", "sdpa cudnn", "read floor")
 
 
 def build_cases(args) -> list[dict]:
@@ -141,6 +143,11 @@ def run_case(case: dict, args, dtype) -> list[dict]:
         record(f"{name}·graph", replay, err, captured)
         del kc, vc, table, fn, graph, replay, captured
         common.free_cuda()
+    floor, err = common.attempt(lambda: common.read_floor(case["kv_bytes"], dev, args.l2))
+    if floor is not None:  # no output to check: the read floor is a ceiling, not an attention
+        bw = common.gbs(case["kv_bytes"], floor)
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl="read floor", l2=args.l2,
+                         us=floor * 1e3, gbs=bw, pct_hbm=100 * bw / common.HBM_PEAK_GBS, err=None, note=err))
     for backend in ("flash", "cudnn"):
         made, err = common.attempt(lambda: sdpa_fn(backend, q, k_cache, v_cache))
         fn, note = made if made is not None else (None, err)
@@ -204,6 +211,9 @@ def main() -> None:
             f"{r['impl']} {common.fmt(r['us'])}µs" for r in rows[-len(IMPLS):]), flush=True)
         common.write_csv(f"{args.out}/decode.csv", rows, env, quiet=True)
     tables(cases, rows)
+    launch = common.read_floor(4096, args.device, args.l2)
+    if launch is not None:
+        print(f"launch floor: a one-kernel CUDA graph reading 4 KB, timed the same way: {common.fmt(launch * 1e3)} µs")
     common.write_csv(f"{args.out}/decode.csv", rows, env)
     plot(cases, rows, f"{args.out}/decode.png", env)
 

@@ -14,7 +14,7 @@ token), on the cases the targets of issue #5 name:
 Every output is compared with the fp32 reference of ``decode.py``. The table lists the best
 few per case beside the current default.
 
-    python benchmarks/decode_tiles.py [--out DIR] [--smoke] [--only SUBSTRING ...] [--tiles 128x4x3 ...]
+    python benchmarks/decode_tiles.py [--out DIR] [--smoke] [--only SUBSTRING ...] [--tiles 128x4x3 ...] [--l2 zero|read]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def run(args) -> list[dict]:
                 graph, note = common.attempt(lambda: common.cuda_graph(step))
                 if graph is not None:
                     replay, out = graph
-                    ms, note = common.attempt(lambda: common.bench(replay, dev))
+                    ms, note = common.attempt(lambda: common.bench(replay, dev, l2=args.l2))
             else:
                 out, note = common.attempt(step)
                 ms = None
@@ -115,6 +115,8 @@ def main() -> None:
     def extra(p):
         p.add_argument("--only", nargs="*", default=[], help="run the cases whose name contains one of these")
         p.add_argument("--tiles", nargs="*", default=[], help="tiles as KEYSxWARPSxSTAGES (default: all)")
+        p.add_argument("--l2", choices=("zero", "read"), default="zero",
+                       help="how the L2 is cleared before each repetition (decode.py's option)")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
     _, env = common.start_run(args.device)

@@ -75,9 +75,11 @@ def decode_lines(rows: list[dict]) -> list[list[str]]:
         mine = num(by.get(("1", n, "tileattn·graph"), {}).get("us"))
         eager = num(by.get(("1", n, "tileattn"), {}).get("us"))
         cudnn = num(by.get(("1", n, "sdpa cudnn"), {}).get("us"))
+        floor = num(by.get(("1", n, "read floor"), {}).get("us"))
         if mine is None and cudnn is None:
             continue
-        lines.append([f"decode µs, b=1, kv={n} (graph; eager)", f"{fmt(mine)}; {fmt(eager)}", f"cuDNN {fmt(cudnn)}",
+        lines.append([f"decode µs, b=1, kv={n} (graph; eager)", f"{fmt(mine)}; {fmt(eager)}",
+                      f"cuDNN {fmt(cudnn)} · read floor {fmt(floor)}",
                       f"bar ≤ {frac:g}×cuDNN · aim ≤ {aim_us:g}",
                       verdict(None if mine is None or cudnn is None else mine <= frac * cudnn,
                               None if mine is None else mine <= aim_us)])
