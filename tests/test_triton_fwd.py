@@ -113,6 +113,14 @@ def test_num_splits_give_the_same_answer(num_splits):
     torch.testing.assert_close(lse, base[4], atol=1e-6, rtol=1e-6)
 
 
+def test_more_splits_than_the_combine_reads_at_once():
+    # 41 key tiles of the decode tile over 45 splits: the combine reads 32 splits per block, so
+    # the second block can raise the running maximum, and splits 41..44 are empty (weight 0).
+    seqlen_k = 40 * launch.DECODE_BLOCK_N + 7
+    q, k, v, out, lse = _dense(6, 1, 2, seqlen_k, 4, 2, 32, torch.float32, num_splits=45, causal=True)
+    _check("splits=45", out, lse, q, k, v, causal=True)
+
+
 def test_window_and_softcap():
     q, k, v, out, lse = _dense(5, 2, 70, 90, 2, 2, 40, torch.bfloat16, num_splits=2,
                                window_size=(20, 5), softcap=3.0)

@@ -36,7 +36,7 @@ __all__ = ["attn_fwd"]
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
 MAX_SPLITS = 128
-COMBINE_BLOCK_S = 16  # splits merged at once
+COMBINE_MAX_BLOCK_S = 32  # splits the combine reads at once (fewer when there are fewer splits)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
@@ -259,5 +259,6 @@ def _combine(o_part, l_part, out, lse, varlen, head_dim, head_dim_pad):
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         nheads, seqlen_q, num_splits,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=COMBINE_BLOCK_S, num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), num_warps=4,
     )

@@ -4,9 +4,9 @@ The splits cover disjoint key ranges, so (as ``tileattn.ops.merge``) per query r
 
     lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) o_s
 
-computed with the largest lse_s subtracted first (log2 units inside), so each partial
-output is read once. Empty splits (lse_s = -inf) weigh 0; a row whose every split is
-empty gives out 0 and lse -inf.
+computed online over blocks of splits with the largest lse_s so far subtracted (log2 units
+inside), so each partial output is read once. Empty splits (lse_s = -inf) weigh 0; a row
+whose every split is empty gives out 0 and lse -inf.
 """
 
 import triton
@@ -31,7 +31,9 @@ def _combine_kernel(
 
     Partials are ``OPart`` (splits, B, Sq, H, D) and ``LsePart`` (splits, B, H, Sq), fp32;
     ``Out`` (B, Sq, H, D) and ``Lse`` (B, H, Sq) take any strides (varlen passes B = 1).
-    Splits are read ``BLOCK_S`` at a time: first the maximum lse, then the weighted sum.
+    Splits are read ``BLOCK_S`` at a time, their lse and outputs together (one round trip to
+    memory per block), and merged online: the running maximum, weight sum and weighted sum
+    are rescaled when a block raises the maximum.
     """
     row = tl.program_id(0)
     head = (row % nheads).to(tl.int64)
@@ -42,33 +44,28 @@ def _combine_kernel(
     lse_ptr = LsePart + b * stride_pl_b + head * stride_pl_h + pos * stride_pl_s
     o_ptr = OPart + b * stride_po_b + pos * stride_po_s + head * stride_po_h
 
-    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)  # [BLOCK_S]
-    for s0 in range(0, num_splits, BLOCK_S):
-        split = s0 + offs_s
-        lse_s = tl.load(lse_ptr + split.to(tl.int64) * stride_pl_split, mask=split < num_splits,
-                        other=float("-inf"))
-        m_vec = tl.maximum(m_vec, lse_s * LOG2E)
-    m = tl.max(m_vec, 0)  # largest lse, log2 units
-    m = tl.where(m == float("-inf"), 0.0, m)
-
-    l_vec = tl.zeros([BLOCK_S], dtype=tl.float32)  # [BLOCK_S]
-    acc = tl.zeros([BLOCK_S, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_S, HEAD_DIM_PAD]
+    m = tl.full([1], float("-inf"), dtype=tl.float32)  # [1] largest lse so far, log2 units
+    l_sum = tl.zeros([1], dtype=tl.float32)  # [1] sum of the splits' weights exp2(lse_s - m)
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)  # [HEAD_DIM_PAD] weighted sum of the o_s
     for s0 in range(0, num_splits, BLOCK_S):
         split = s0 + offs_s
         ok = split < num_splits
-        lse_s = tl.load(lse_ptr + split.to(tl.int64) * stride_pl_split, mask=ok, other=float("-inf"))
-        w = tl.math.exp2(lse_s * LOG2E - m)  # [BLOCK_S] weight of each split; 0 when empty
+        lse_s = tl.load(lse_ptr + split.to(tl.int64) * stride_pl_split, mask=ok, other=float("-inf")) * LOG2E
         o_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
         o_s = tl.load(o_ptr + split.to(tl.int64)[:, None] * stride_po_split + offs_d[None, :], mask=o_mask,
                       other=0.0)  # [BLOCK_S, HEAD_DIM_PAD]
-        l_vec += w
-        acc += w[:, None] * o_s
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weigh 0, not NaN
+        alpha = tl.math.exp2(m - m_use)  # [1]
+        w = tl.math.exp2(lse_s - m_use)  # [BLOCK_S] weight of each split; 0 when empty
+        l_sum = l_sum * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
+        m = m_new
 
-    l_sum = tl.sum(l_vec, 0)
-    empty = l_sum == 0.0
+    empty = l_sum == 0.0  # [1]
     l_safe = tl.where(empty, 1.0, l_sum)
-    out = tl.sum(acc, 0) / l_safe  # [HEAD_DIM_PAD]
-    lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)
+    out = acc / l_safe  # [HEAD_DIM_PAD]
+    lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)  # [1]
     o_dst = Out + b * stride_ob + pos * stride_os + head * stride_oh + offs_d
     tl.store(o_dst, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(Lse + b * stride_lb + head * stride_lh + pos * stride_ls, lse)
+    tl.store(Lse + b * stride_lb + head * stride_lh + pos * stride_ls + tl.arange(0, 1), lse)
