@@ -114,11 +114,12 @@ def test_num_splits_give_the_same_answer(num_splits):
 
 
 def test_more_splits_than_the_combine_reads_at_once():
-    # 41 key tiles of the decode tile over 45 splits: the combine reads 32 splits per block, so
-    # the second block can raise the running maximum, and splits 41..44 are empty (weight 0).
-    seqlen_k = 40 * launch.DECODE_BLOCK_N + 7
-    q, k, v, out, lse = _dense(6, 1, 2, seqlen_k, 4, 2, 32, torch.float32, num_splits=45, causal=True)
-    _check("splits=45", out, lse, q, k, v, causal=True)
+    # Key tiles for 9 more splits than the combine reads per block, over 4 more splits still:
+    # the second block can raise the running maximum, and the last 3 splits are empty (weight 0).
+    splits = launch.COMBINE_MAX_BLOCK_S + 13
+    seqlen_k = (launch.COMBINE_MAX_BLOCK_S + 9) * launch.DECODE_BLOCK_N + 7
+    q, k, v, out, lse = _dense(6, 1, 2, seqlen_k, 4, 2, 32, torch.float32, num_splits=splits, causal=True)
+    _check(f"splits={splits}", out, lse, q, k, v, causal=True)
 
 
 def test_window_and_softcap():

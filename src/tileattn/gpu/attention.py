@@ -36,7 +36,7 @@ __all__ = ["attn_fwd"]
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
 MAX_SPLITS = 128
-COMBINE_MAX_BLOCK_S = 32  # splits the combine reads at once (fewer when there are fewer splits)
+COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
