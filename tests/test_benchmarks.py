@@ -56,10 +56,16 @@ def test_window_benchmark_times_every_window(tmp_path):
 def test_decode_tile_sweep_through_the_triton_kernels(tmp_path):
     """decode_tiles.py sets the launcher's decode constants; its outputs come from the Triton
     kernels (the interpreter on CPU tensors) with each tile it sets."""
+    import numpy as np
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
+        # The test extra pins numpy < 2.4 (CI has it); the GPU machine's image has a newer numpy.
+        pytest.skip(f"Triton 3.6's interpreter needs numpy < 2.4, this is {np.__version__}")
     rows = run_smoke("decode_tiles.py", tmp_path, env={"TILEATTN_BACKEND": "triton", "TRITON_INTERPRET": "1"})
     assert {r["case"] for r in rows} == {"b1 300", "b2 300 paged16"}
     errs = errors(rows)
-    assert len(errs) == len(rows) and max(errs) < FP32_AGREEMENT
+    assert len(errs) == len(rows), [r["note"] for r in rows if not r.get("err")]
+    assert max(errs) < FP32_AGREEMENT
 
 
 def test_generate_benchmark_gives_sdpa_tokens(tmp_path):
