@@ -34,7 +34,7 @@ integers; the launcher then asks for fp32.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, scores_log2
+from .common import LOG2E, dropout_keep, online_rescale, scores_log2
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -89,11 +89,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
                         window_left, window_right, HAS_SOFTCAP, HAS_ALIBI,
                         MASKED and MASK_LEFT, MASKED and MASK_RIGHT, MASKED)  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        if MASKED:  # a row with nothing visible yet: subtract 0 instead of -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
+        m_use, alpha = online_rescale(m_i, m_new, MASKED)  # [BLOCK_M]; masked rows seeing nothing yet: 0
         p = tl.math.exp2(s - m_use[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:

@@ -12,7 +12,7 @@ whose every split is empty gives out 0 and lse -inf.
 import triton
 import triton.language as tl
 
-from .common import LOG2E
+from .common import LOG2E, online_rescale
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -55,8 +55,7 @@ def _combine_kernel(
         o_s = tl.load(o_ptr + split.to(tl.int64)[:, None] * stride_po_split + offs_d[None, :], mask=o_mask,
                       other=0.0)  # [BLOCK_S, HEAD_DIM_PAD]
         m_new = tl.maximum(m, tl.max(lse_s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty: weigh 0, not NaN
-        alpha = tl.math.exp2(m - m_use)  # [1]
+        m_use, alpha = online_rescale(m, m_new, True)  # [1]; every split so far empty: weigh 0, not NaN
         w = tl.math.exp2(lse_s - m_use)  # [BLOCK_S] weight of each split; 0 when empty
         l_sum = l_sum * alpha + tl.sum(w, 0)
         acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)

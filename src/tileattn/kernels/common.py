@@ -17,6 +17,23 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a global jit code may read must be a
 
 
 @triton.jit
+def online_rescale(m_old, m_new, GUARD: tl.constexpr):
+    """The online-softmax rescale when the running maximum goes from ``m_old`` to ``m_new`` (log2 units).
+
+    Returns ``(m_use, alpha)``: the maximum to subtract from the new scores and
+    ``alpha = 2^(m_old - m_use)``, the factor for the running sum and output. With ``GUARD``,
+    where ``m_new`` is still -inf (every key or state so far masked or empty) ``m_use`` is 0, so
+    the new terms are 0 and alpha is 0 instead of 2^(-inf - -inf) = NaN. Without it (all
+    scores known finite) the comparison is skipped.
+    """
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    return m_use, tl.math.exp2(m_old - m_use)
+
+
+@triton.jit
 def tanh(x):
     """tanh through the sigmoid, exact enough for fp32 and supported by the interpreter."""
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
