@@ -5,6 +5,8 @@ batch·seqlen = 16384 tokens, nheads·hdim = 2048, seqlen 512 / 2048 / 8192 / 16
 hdim 64 and 128, causal and not, bf16. tileattn.flash_attn_func runs beside torch SDPA with each backend forced (flash, cuDNN,
 efficient) and FlexAttention (torch.compile; causal through a block mask), on the same
 tensors: SDPA and Flex take transposed (B, H, S, D) views of tileattn's (B, S, H, D) data.
+"tileattn" is the default dispatch (the Gluon kernel for Hopper where it applies: the printed
+path says which forward ran), "tileattn tl" the portable Triton kernel (``TILEATTN_HOPPER=0``).
 
 FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
 seqlen 8192 (``--flex-seqlens`` changes that; ``--quick`` skips it).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import common
 
-IMPLS = ("tileattn", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex")
+IMPLS = ("tileattn", "tileattn tl", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex")
 TOKENS, WIDTH = 16384, 2048
 
 
@@ -24,6 +26,9 @@ def add_args(p) -> None:
     p.add_argument("--flex-seqlens", default="8192",
                    help="comma-separated seqlens at which FlexAttention runs ('' for none; default 8192)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations to run")
+    p.add_argument("--hdims", default="", help="comma-separated head dims (default: 128,64; --quick: 128)")
+    p.add_argument("--seqlens", default="", help="comma-separated seqlens (default: 512,2048,8192,16384)")
 
 
 def build_cases(args) -> list[dict]:
@@ -32,6 +37,8 @@ def build_cases(args) -> list[dict]:
         grid = [(64, c, s, 1, 2) for c in (False, True) for s in (128, 256)]
     else:
         hdims, seqlens = ((128,), (2048, 16384)) if args.quick else ((128, 64), (512, 2048, 8192, 16384))
+        hdims = tuple(int(x) for x in args.hdims.split(",")) if args.hdims else hdims
+        seqlens = tuple(int(x) for x in args.seqlens.split(",")) if args.seqlens else seqlens
         grid = [(d, c, s, TOKENS // s, WIDTH // d) for d in hdims for c in (False, True) for s in seqlens]
     return [dict(hdim=d, causal=c, seqlen=s, batch=b, nheads=h, flops=common.attn_flops(b, h, s, s, d, c))
             for d, c, s, b, h in grid]
@@ -47,6 +54,19 @@ def make_impl(name: str, causal: bool, seqlen: int, device: str):
         import tileattn
 
         return lambda q, k, v: tileattn.flash_attn_func(q, k, v, causal=causal)
+    if name == "tileattn tl":
+        import os
+
+        import tileattn
+
+        def portable(q, k, v):
+            os.environ["TILEATTN_HOPPER"] = "0"
+            try:
+                return tileattn.flash_attn_func(q, k, v, causal=causal)
+            finally:
+                del os.environ["TILEATTN_HOPPER"]
+
+        return portable
     if name.startswith("sdpa"):
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION}[name.split()[1]]
@@ -92,6 +112,8 @@ def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
     """
     row = {"table": "speed", **{k: case[k] for k in ("hdim", "causal", "seqlen", "batch", "nheads")}, "impl": name}
     q, k, v, dout = inputs(case, args.device, dtype)
+    if name == "tileattn":
+        row["path"] = forward_path(q, k, v, case["causal"])
     fn, note = common.attempt(lambda: make_impl(name, case["causal"], case["seqlen"], args.device))
     fwd = fwdbwd = None
     if fn is not None:
@@ -111,6 +133,19 @@ def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
     del q, k, v, dout
     common.free_cuda()
     return row
+
+
+def forward_path(q, k, v, causal: bool) -> str:
+    """Which forward kernel tileattn's dispatch picks for these tensors: 'hopper' or 'tl (why)'."""
+    if not q.is_cuda:
+        return "cpu"
+    from tileattn.gpu.hopper import hopper_fwd_reason
+    from tileattn.ops.backend import AttnParams
+
+    params = AttnParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
+    why = hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+                            num_splits=0)
+    return "hopper" if why is None else f"tl ({why})"
 
 
 def memory_case(case: dict, name: str, args, dtype) -> dict:
@@ -201,22 +236,24 @@ def main() -> None:
     import torch
 
     dtype, env = common.start_run(args.device)
+    impls = [name for name in IMPLS if name in args.impls.split(",")]
     rows = []
     for c in cases:
         ref: dict = {}
-        for name in IMPLS:
+        for name in impls:
             if name == "flex" and c["seqlen"] not in flex_at:
                 continue
             rows.append(time_case(c, name, args, dtype, ref))
             r = rows[-1]
             print(f"  hdim {c['hdim']} causal {c['causal']} seqlen {c['seqlen']} {name}: "
-                  f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s", flush=True)
+                  f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s"
+                  f"{' [' + r['path'] + ']' if r.get('path') else ''}", flush=True)
             common.write_csv(f"{args.out}/prefill.csv", rows, env, quiet=True)
     if args.device.startswith("cuda"):
         longest = max(c["seqlen"] for c in cases)
         for c in cases:
             if c["seqlen"] == longest and not c["causal"]:
-                rows += [memory_case(c, name, args, dtype) for name in ("tileattn", "sdpa flash")]
+                rows += [memory_case(c, name, args, dtype) for name in ("tileattn", "sdpa flash") if name in impls]
     del ref
     common.free_cuda()
     speed_table(cases, rows, env)

@@ -12,7 +12,8 @@ Choices made here:
   ``PACK_GQA`` puts the group's heads into the tile's rows, so each K/V tile is read once per
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
 * ``num_splits = 0``: split the keys when batch x heads x query blocks cannot fill the SMs
-  (``_auto_splits``); the partial states are merged by ``kernels.combine``.
+  (``_auto_splits``); the partial states are merged by ``kernels.combine``;
+* on Hopper, dense prefill calls the Gluon kernel covers go to ``gpu/hopper.py`` instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..ops.backend import AttnParams
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
+from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
 __all__ = ["attn_fwd"]
 
@@ -143,6 +145,10 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
+    if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
+                         num_splits=num_splits) is None:
+        hopper_attn_fwd(q, k, v, out, lse, params=params)
+        return
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
     if paged and seqused_k is None:

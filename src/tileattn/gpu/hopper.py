@@ -1,0 +1,110 @@
+"""Launcher of the Hopper forward kernel (``kernels/attn_fwd_hopper.py``) and the rule that picks it.
+
+``attn_fwd`` of ``gpu/attention.py`` asks ``hopper_fwd_reason`` first: ``None`` means the
+Hopper kernel takes the call; otherwise the string says why the portable kernel runs (the
+benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
+
+Tiles (BLOCK_M, BLOCK_N, STAGES, num_warps), one warpgroup per 64 query rows; shared memory
+is Q plus STAGES K and V tiles: hdim 128 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 112 KB.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ..kernels.common import LOG2E
+from ..ops.backend import AttnParams
+from ._tuning import interpreting
+
+__all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "HOPPER_TILES"]
+
+HOPPER_TILES = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}  # head_dim -> (BLOCK_M, BLOCK_N, STAGES, num_warps)
+MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def hopper_enabled() -> bool:
+    return os.environ.get("TILEATTN_HOPPER", "1") not in ("0", "false", "no")
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
+                      num_splits: int) -> str | None:
+    """None when the Hopper kernel can compute this forward call, else why not (one short phrase)."""
+    if not hopper_enabled():
+        return "TILEATTN_HOPPER=0"
+    if q.device.type != "cuda" or interpreting():
+        return "not a CUDA device"
+    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "not sm_90"
+    if not _gluon_available():
+        return "Triton has no Gluon"
+    if varlen or paged or seqused_k is not None:
+        return "varlen / paged / seqused_k"
+    if num_splits > 1:
+        return "explicit KV splits"
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype}"
+    if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]}"
+    if q.shape[0] == 0 or k.shape[1] == 0:
+        return "empty batch or keys"
+    if q.shape[1] < MIN_SEQLEN_Q:
+        return "decoding shape"
+    if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
+        return "softcap / ALiBi / dropout"
+    if not all(_tma_ok(t) for t in (q, k, v)):
+        return "strides not 16-byte aligned"
+    return None
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams) -> None:
+    """Dense forward into ``out``/``lse``; the call must have passed ``hopper_fwd_reason``."""
+    from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    block_m, block_n, stages, num_warps = HOPPER_TILES[head_dim]
+    q_desc = _descriptor(q, [1, block_m, 1, head_dim])
+    k_desc = _descriptor(k, [1, block_n, 1, head_dim])
+    v_desc = _descriptor(v, [1, block_n, 1, head_dim])
+    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads,)
+    _attn_fwd_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, out, lse,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
+        GROUP=nheads // nheads_k, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
+        STAGES=stages, num_warps=num_warps,
+    )
+
+

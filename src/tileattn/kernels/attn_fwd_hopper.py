@@ -1,0 +1,206 @@
+"""The forward kernel for Hopper (sm_90), written in Gluon: TMA loads, asynchronous wgmma.
+
+The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out = acc / l``,
+``lse = (m + log2 l) ln 2``); what changes is how the hardware is driven:
+
+* Q, and K and V tile by tile, arrive by TMA (the bulk tensor copy engine) into shared memory:
+  K and V each in a ring of ``STAGES`` buffers with one mbarrier per buffer, so the copies of
+  the next tiles run while the current one is computed. The descriptors are 4-D over the
+  (batch, seqlen, heads, head_dim) tensors, so a tile past a sequence's end reads zeros, never
+  the next sequence's rows.
+* Both matmuls are warpgroup MMAs (wgmma) issued asynchronously; P goes to the second one from
+  registers. Each iteration overlaps the softmax of tile j with the P V product of tile j - 1
+  (flash-attn 3's intra-warpgroup pipelining):
+
+      issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1};  wait for S_j (P V still running)
+      softmax of S_j -> P_j, alpha_j;  wait for O;  O *= alpha_j
+
+* ``num_warps`` = 4 x (BLOCK_M / 64): each warpgroup owns 64 query rows.
+
+Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.py`` (left window
+edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
+the mask only on tiles outside the fully visible range (a uniform branch per tile).
+
+Features: dense batches, causal and sliding windows (bottom-right aligned), GQA/MQA, head dims
+64 and 128 (powers of two up to 128), fp16/bf16. Everything else runs on the portable kernel;
+the launcher (``tileattn.gpu.hopper``) decides per call.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .common import online_rescale, visible_mask
+
+# The shared jit helpers of common.py, compiled for Gluon (the same source serves both).
+_online_rescale = gluon.jit(online_rescale.fn)
+_visible_mask = gluon.jit(visible_mask.fn)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_range(m_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, seqlen_q, seqlen_k, window_left,
+                window_right, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """(n_lo, full_lo, full_hi, n_hi): the key tiles query rows m_start.. may see, and the fully
+    visible, complete ones among them (the same bounds as attn_fwd.py)."""
+    diag_off = seqlen_k - seqlen_q
+    q_first = m_start
+    q_last = gl.minimum(m_start + BLOCK_M - 1, seqlen_q - 1)
+    key_lo = 0
+    key_hi = seqlen_k
+    full_lo_key = 0
+    full_hi_key = seqlen_k
+    if MASK_LEFT:
+        key_lo = gl.maximum(q_first + diag_off - window_left, 0)
+        full_lo_key = gl.maximum(q_last + diag_off - window_left, 0)
+    if MASK_RIGHT:
+        key_hi = gl.maximum(gl.minimum(q_last + diag_off + window_right + 1, seqlen_k), 0)
+        full_hi_key = gl.maximum(gl.minimum(q_first + diag_off + window_right + 1, seqlen_k), 0)
+    n_lo = key_lo // BLOCK_N
+    n_hi = gl.maximum(gl.cdiv(key_hi, BLOCK_N), n_lo)
+    full_lo = gl.maximum(gl.minimum(gl.cdiv(full_lo_key, BLOCK_N), n_hi), n_lo)
+    full_hi = gl.minimum(gl.maximum(full_hi_key // BLOCK_N, full_lo), n_hi)
+    return n_lo, full_lo, full_hi, n_hi
+
+
+@gluon.jit
+def _load_tile(desc, bars, ring, t, n_lo, n_hi, b, hk, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA copy of key tile ``t`` into its ring slot (nothing past ``n_hi``)."""
+    slot = (t - n_lo) % STAGES
+    pred = t < n_hi
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [b, t * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _wait_tile(bars, ring, t, n_lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Wait for key tile ``t``'s copy; its buffer as a [BLOCK_N, HEAD_DIM] matrix."""
+    slot = (t - n_lo) % STAGES
+    mbarrier.wait(bars.index(slot), ((t - n_lo) // STAGES) & 1)
+    return ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2, window_left, window_right,
+                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """One online-softmax step on the raw scores ``s`` [BLOCK_M, BLOCK_N] of key tile ``t``.
+
+    Returns (p, m_new, l_new, alpha); ``masked`` (a per-tile scalar) applies the window and
+    ``seqlen_k`` bounds."""
+    s = s * scale_log2
+    if masked:
+        k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+        seen = _visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
+                             MASK_LEFT, MASK_RIGHT, True)  # [BLOCK_M, BLOCK_N]
+        s = gl.where(seen, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))  # [BLOCK_M]
+    m_use, alpha = _online_rescale(m_i, m_new, True)
+    p = gl.exp2(s - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+    GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Grid: (query blocks x batch x heads,); program ``pid`` takes query block
+    ``num_m_blocks - 1 - pid % num_m_blocks`` (heaviest causal blocks first) of head ``pid // num_m_blocks``."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // GROUP
+    m_start = m_block * BLOCK_M
+    n_lo, full_lo, full_hi, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                               window_right, MASK_LEFT, MASK_RIGHT)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, m_start, h, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES):  # prologue: the first STAGES tiles in flight
+        _load_tile(k_desc, k_bars, k_ring, n_lo + i, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+        _load_tile(v_desc, v_bars, v_ring, n_lo + i, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+
+    diag_off = seqlen_k - seqlen_q
+    q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
+    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+    if n_hi > n_lo:
+        # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
+        k_tile = _wait_tile(k_bars, k_ring, n_lo, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
+        _load_tile(k_desc, k_bars, k_ring, n_lo + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+        masked = (n_lo < full_lo) | (n_lo >= full_hi)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                           window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
+        for t in range(n_lo + 1, n_hi):
+            k_tile = _wait_tile(k_bars, k_ring, t, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+            s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            v_tile = _wait_tile(v_bars, v_ring, t - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)  # [BLOCK_M, BLOCK_N] A operand in registers
+            o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
+            _load_tile(k_desc, k_bars, k_ring, t + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+            masked = (t < full_lo) | (t >= full_hi)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                               window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            _load_tile(v_desc, v_bars, v_ring, t - 1 + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+        v_tile = _wait_tile(v_bars, v_ring, n_hi - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o = warpgroup_mma(p_op, v_tile, o)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    empty = l_i == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
+    o = o / gl.convert_layout(l_safe, row_o)[:, None]
+
+    rows_o = m_start + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M]
+    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + rows_o.to(gl.int64)[:, None] * stride_os + cols_o[None, :]  # [BLOCK_M, HEAD_DIM]
+    gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])
+    l_ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_pos.to(gl.int64) * stride_ls
+    gl.store(l_ptrs, lse, mask=q_pos < seqlen_q)

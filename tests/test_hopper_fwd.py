@@ -1,0 +1,77 @@
+"""The Hopper (Gluon: TMA + wgmma) forward kernel against the float64 reference, on an H100/H200.
+
+Gluon kernels have no interpreter: these tests need the GPU (marker ``gpu``). Each case first
+asserts that the dispatch really picks the Hopper kernel, so a case the rule sends elsewhere
+fails instead of testing the portable kernel twice. Outputs are poisoned with NaN; the
+budget is plain PyTorch attention in the same dtype (tests/tolerance.py). The compile check
+for machines without a GPU is in tests/hopper_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tileattn import reference
+from tileattn.gpu.hopper import hopper_attn_fwd, hopper_fwd_reason
+from tileattn.ops.backend import AttnParams
+
+from tolerance import assert_within, plain_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
+         layout="bshd"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(s, h):
+        x = torch.randn(batch, s, h, head_dim, generator=gen).to(dtype).cuda()
+        if layout == "bhsd":  # a (B, S, H, D) view of a (B, H, S, D) tensor: strides of a transpose
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x
+
+    q, k, v = t(seqlen_q, nheads), t(seqlen_k, nheads_k), t(seqlen_k, nheads_k)
+    right = 0 if causal else window[1]
+    params = AttnParams(head_dim**-0.5, window[0], right)
+    assert hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+                             num_splits=0) is None, "the dispatch does not pick the Hopper kernel"
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, nheads, seqlen_q), float("nan"), device="cuda")
+    hopper_attn_fwd(q, k, v, out, lse, params=params)
+    torch.cuda.synchronize()
+    np64 = lambda x: x.cpu().double().numpy()  # noqa: E731
+    ref_out, ref_lse = reference.attention_naive(np64(q), np64(k), np64(v), causal=causal, window_size=window)
+    plain_out, plain_lse = plain_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal, window_size=window)
+    assert_within("out", out, plain_out, ref_out)
+    assert_within("lse", lse, plain_lse, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (203, 203), (1023, 1023), (300, 1000), (1000, 300),
+                                               (129, 257)])
+def test_hopper_forward(head_dim, dtype, causal, seqlen_q, seqlen_k):
+    """Odd and prime lengths, one past a tile, seqlen_q != seqlen_k both ways (causal rows with no key)."""
+    _run(seqlen_q * 7 + seqlen_k, 2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_hopper_gqa(group):
+    _run(group, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
+def test_hopper_window(window):
+    _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window)
+
+
+def test_hopper_strided_views():
+    """Inputs laid out as (B, H, S, D) and viewed as (B, S, H, D): the TMA descriptors take strides."""
+    _run(5, 2, 400, 400, 4, 2, 128, torch.bfloat16, causal=True, layout="bhsd")
+
+
+def test_hopper_long():
+    """Many tiles per row: the ring of TMA buffers wraps many times."""
+    _run(11, 1, 4096, 4096, 2, 1, 128, torch.bfloat16, causal=True)
