@@ -4,8 +4,12 @@
 Hopper kernel takes the call; otherwise the string says why the portable kernel runs (the
 benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
 
-Tiles (BLOCK_M, BLOCK_N, STAGES, num_warps), one warpgroup per 64 query rows; shared memory
-is Q plus STAGES K and V tiles: hdim 128 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 112 KB.
+A program computes 128 query rows: two consumer warpgroups of 64 rows and one producer warp
+(``kernels/attn_fwd_hopper.py``). Tiles per head dim: (BLOCK_N, STAGES); shared memory is the
+two Q tiles plus STAGES K and V tiles: hdim 128 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 ->
+16 + 3 x 2 x 16 KB = 112 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
+``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and
+each consumer thread gets ``CONSUMER_REGS`` (2 x 128 x 240 + 128 x 24 <= 168 x 384).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from ._tuning import interpreting
 
 __all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "HOPPER_TILES"]
 
-HOPPER_TILES = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}  # head_dim -> (BLOCK_M, BLOCK_N, STAGES, num_warps)
+HOPPER_TILES = {64: (128, 3), 128: (128, 2)}  # head_dim -> (BLOCK_N, STAGES)
+BLOCK_M, ROWS_WG = 128, 64
+MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -94,17 +100,17 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams) -> None:
 
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    block_m, block_n, stages, num_warps = HOPPER_TILES[head_dim]
-    q_desc = _descriptor(q, [1, block_m, 1, head_dim])
+    block_n, stages = HOPPER_TILES[head_dim]
+    q_desc = _descriptor(q, [1, ROWS_WG, 1, head_dim])
     k_desc = _descriptor(k, [1, block_n, 1, head_dim])
     v_desc = _descriptor(v, [1, block_n, 1, head_dim])
-    grid = (triton.cdiv(seqlen_q, block_m) * batch * nheads,)
+    grid = (triton.cdiv(seqlen_q, BLOCK_M) * batch * nheads,)
     _attn_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
         GROUP=nheads // nheads_k, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
-        STAGES=stages, num_warps=num_warps,
+        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
 
 

@@ -3,11 +3,12 @@
 The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out = acc / l``,
 ``lse = (m + log2 l) ln 2``); what changes is how the hardware is driven:
 
-* Q, and K and V tile by tile, arrive by TMA (the bulk tensor copy engine) into shared memory:
-  K and V each in a ring of ``STAGES`` buffers with one mbarrier per buffer, so the copies of
-  the next tiles run while the current one is computed. The descriptors are 4-D over the
-  (batch, seqlen, heads, head_dim) tensors, so a tile past a sequence's end reads zeros, never
-  the next sequence's rows.
+* Warp specialisation: one producer warp issues the TMA copies (the bulk tensor copy engine)
+  of Q, and of K and V tile by tile, into rings of ``STAGES`` shared-memory buffers; two
+  consumer warpgroups of 64 query rows each compute. Each slot has a ``full`` mbarrier (the
+  copy landed) and an ``empty`` one (both consumers are done with it). The descriptors are 4-D
+  over the (batch, seqlen, heads, head_dim) tensors, so a tile past a sequence's end reads
+  zeros, never the next sequence's rows.
 * Both matmuls are warpgroup MMAs (wgmma) issued asynchronously; P goes to the second one from
   registers. Each iteration overlaps the softmax of tile j with the P V product of tile j - 1
   (flash-attn 3's intra-warpgroup pipelining):
@@ -15,7 +16,6 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
       issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1};  wait for S_j (P V still running)
       softmax of S_j -> P_j, alpha_j;  wait for O;  O *= alpha_j
 
-* ``num_warps`` = 4 x (BLOCK_M / 64): each warpgroup owns 64 query rows.
 
 Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.py`` (left window
 edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
@@ -65,15 +65,6 @@ def _tile_range(m_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, seqlen_q,
 
 
 @gluon.jit
-def _load_tile(desc, bars, ring, t, n_lo, n_hi, b, hk, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA copy of key tile ``t`` into its ring slot (nothing past ``n_hi``)."""
-    slot = (t - n_lo) % STAGES
-    pred = t < n_hi
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [b, t * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot), pred=pred)
-
-
-@gluon.jit
 def _wait_tile(bars, ring, t, n_lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Wait for key tile ``t``'s copy; its buffer as a [BLOCK_N, HEAD_DIM] matrix."""
     slot = (t - n_lo) % STAGES
@@ -103,94 +94,83 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
-    GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """Grid: (query blocks x batch x heads,); program ``pid`` takes query block
-    ``num_m_blocks - 1 - pid % num_m_blocks`` (heaviest causal blocks first) of head ``pid // num_m_blocks``."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, m_start, n_lo, n_hi,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The load warp: the two warpgroups' Q tiles, then K and V tile by tile into the rings.
+
+    A slot is refilled once both consumers have arrived on its ``empty`` barrier (a fresh
+    barrier counts as having completed the phase before its first, so round 0 starts at once)."""
+    q_bars, k_full, v_full, k_empty, v_empty = bars
+    rows_wg: gl.constexpr = q_desc.block_type.shape[1]
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, m_start + wg * rows_wg, h, 0], q_bars.index(wg), q_smem.index(wg))
+    for t in range(n_lo, n_hi):
+        slot = (t - n_lo) % STAGES
+        phase = ((t - n_lo) // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, t * BLOCK_N, hk, 0], k_full.index(slot), k_ring.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, t * BLOCK_N, hk, 0], v_full.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh,
+              stride_lb, stride_lh, stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2,
+              window_left, window_right, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: the recurrence for its 64 query rows over every key tile of the block."""
+    q_bars, k_full, v_full, k_empty, v_empty = bars
+    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // GROUP
-    m_start = m_block * BLOCK_M
-    n_lo, full_lo, full_hi, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
-                                               window_right, MASK_LEFT, MASK_RIGHT)
-
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, m_start, h, 0], q_bar, q_smem)
-    for i in gl.static_range(STAGES):  # prologue: the first STAGES tiles in flight
-        _load_tile(k_desc, k_bars, k_ring, n_lo + i, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
-        _load_tile(v_desc, v_bars, v_ring, n_lo + i, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
-
+    m_start = m_start + WG * BLOCK_M
+    _, full_lo, full_hi, _ = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
+                                         MASK_LEFT, MASK_RIGHT)
     diag_off = seqlen_k - seqlen_q
     q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
     o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
-    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bars.index(WG), 0)
+    q_tile = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
 
     if n_hi > n_lo:
         # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
-        k_tile = _wait_tile(k_bars, k_ring, n_lo, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+        k_tile = _wait_tile(k_full, k_ring, n_lo, n_lo, STAGES, BLOCK_N, HEAD_DIM)
         s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
-        _load_tile(k_desc, k_bars, k_ring, n_lo + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+        mbarrier.arrive(k_empty.index(0), count=1)
         masked = (n_lo < full_lo) | (n_lo >= full_hi)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
                                            window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
         for t in range(n_lo + 1, n_hi):
-            k_tile = _wait_tile(k_bars, k_ring, t, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+            k_tile = _wait_tile(k_full, k_ring, t, n_lo, STAGES, BLOCK_N, HEAD_DIM)
             s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            v_tile = _wait_tile(v_bars, v_ring, t - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+            v_tile = _wait_tile(v_full, v_ring, t - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # [BLOCK_M, BLOCK_N] A operand in registers
             o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
-            _load_tile(k_desc, k_bars, k_ring, t + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+            mbarrier.arrive(k_empty.index((t - n_lo) % STAGES), count=1)
             masked = (t < full_lo) | (t >= full_hi)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
                                                window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-            _load_tile(v_desc, v_bars, v_ring, t - 1 + STAGES, n_lo, n_hi, b, hk, BLOCK_N, STAGES)
+            mbarrier.arrive(v_empty.index((t - 1 - n_lo) % STAGES), count=1)
             o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_bars, v_ring, n_hi - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
+        v_tile = _wait_tile(v_full, v_ring, n_hi - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o = warpgroup_mma(p_op, v_tile, o)
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+        mbarrier.arrive(v_empty.index((n_hi - 1 - n_lo) % STAGES), count=1)
 
     empty = l_i == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
     l_safe = gl.where(empty, 1.0, l_i)
@@ -204,3 +184,65 @@ def _attn_fwd_hopper_kernel(
     gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])
     l_ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_pos.to(gl.int64) * stride_ls
     gl.store(l_ptrs, lse, mask=q_pos < seqlen_q)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+    GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid: (query blocks x batch x heads,); program ``pid`` takes query block
+    ``num_m_blocks - 1 - pid % num_m_blocks`` (heaviest causal blocks first) of head ``pid // num_m_blocks``.
+
+    Three partitions: the default one (``num_warps`` = 4) and a worker warpgroup consume rows
+    [0, 64) and [64, 128) of the block; one worker warp produces (TMA). The consumers share
+    the K/V rings and meet only at the rings' barriers, so one can run its softmax while the
+    other's matmuls use the tensor cores."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    ROWS_WG: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = 2 * ROWS_WG
+    dtype: gl.constexpr = q_desc.dtype
+
+    num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // GROUP
+    m_start = m_block * BLOCK_M
+    n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
+                                   MASK_LEFT, MASK_RIGHT)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bars, k_full, v_full, k_empty, v_empty)
+
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+                     BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+                     BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, m_start, n_lo, n_hi,
+                     BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
