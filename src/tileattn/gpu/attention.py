@@ -13,7 +13,7 @@ Choices made here:
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
 * ``num_splits = 0``: split the keys when batch x heads x query blocks cannot fill the SMs
   (``_auto_splits``); the partial states are merged by ``kernels.combine``;
-* on Hopper, dense prefill calls the Gluon kernel covers go to ``gpu/hopper.py`` instead.
+* on Hopper, the prefill calls (dense or varlen) the Gluon kernel covers go to ``gpu/hopper.py`` instead.
 """
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
-                         num_splits=num_splits) is None:
-        hopper_attn_fwd(q, k, v, out, lse, params=params)
+                         num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
+        hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")

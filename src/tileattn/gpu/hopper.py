@@ -57,7 +57,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
-                      num_splits: int) -> str | None:
+                      num_splits: int, max_seqlen_q: int = 0) -> str | None:
     """None when the Hopper kernel can compute this forward call, else why not (one short phrase)."""
     if not hopper_enabled():
         return "TILEATTN_HOPPER=0"
@@ -67,18 +67,21 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return "not sm_90"
     if not _gluon_available():
         return "Triton has no Gluon"
-    if varlen or paged or seqused_k is not None:
-        return "varlen / paged / seqused_k"
+    if paged or seqused_k is not None:
+        return "paged / seqused_k"
     if num_splits > 1:
         return "explicit KV splits"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
-    if q.shape[0] == 0 or k.shape[1] == 0:
+    seq_dim = 0 if varlen else 1
+    if q.shape[0] == 0 or k.shape[seq_dim] == 0:
         return "empty batch or keys"
-    if q.shape[1] < MIN_SEQLEN_Q:
+    if (max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim]) < MIN_SEQLEN_Q:
         return "decoding shape"
+    if not params.softmax_scale > 0:
+        return "softmax_scale <= 0"
     if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
         return "softcap / ALiBi / dropout"
     if not all(_tma_ok(t) for t in (q, k, v)):
@@ -94,22 +97,35 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams) -> None:
-    """Dense forward into ``out``/``lse``; the call must have passed ``hopper_fwd_reason``."""
+def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+    """Forward into ``out``/``lse`` (dense, or packed with ``cu_seqlens_q/k``); the call must have
+    passed ``hopper_fwd_reason``."""
     from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
+    if varlen:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
+        batch = cu_seqlens_q.shape[0] - 1
+        seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]
+        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        o_strides = (0, out.stride(0), out.stride(1))
+        l_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        batch, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
+    nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
     block_n, stages = HOPPER_TILES[head_dim]
     q_desc = _descriptor(q, [1, ROWS_WG, 1, head_dim])
     k_desc = _descriptor(k, [1, block_n, 1, head_dim])
     v_desc = _descriptor(v, [1, block_n, 1, head_dim])
     grid = (triton.cdiv(seqlen_q, BLOCK_M) * batch * nheads,)
     _attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        q_desc, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
         nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
-        GROUP=nheads // nheads_k, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
+        GROUP=nheads // nheads_k, IS_VARLEN=varlen, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
 

@@ -21,7 +21,7 @@ Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.p
 edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
 the mask only on tiles outside the fully visible range (a uniform branch per tile).
 
-Features: dense batches, causal and sliding windows (bottom-right aligned), GQA/MQA, head dims
+Features: dense and packed (varlen) batches, causal and sliding windows (bottom-right aligned), GQA/MQA, head dims
 64 and 128 (powers of two up to 128), fp16/bf16. Everything else runs on the portable kernel;
 the launcher (``tileattn.gpu.hopper``) decides per call.
 """
@@ -78,47 +78,51 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
                   s_layout: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` [BLOCK_M, BLOCK_N] of key tile ``t``.
 
-    Returns (p, m_new, l_new, alpha); ``masked`` (a per-tile scalar) applies the window and
-    ``seqlen_k`` bounds."""
-    s = s * scale_log2
+    Returns (p, m_new, l_new, alpha); ``m`` is in log2 units (scaled), ``s`` stays raw until the
+    exponent, where the scale and the subtraction are one FMA (the scale is positive, so the
+    row maximum of the raw scores is the maximum of the scaled ones). ``masked`` (a per-tile
+    scalar) applies the window and ``seqlen_k`` bounds."""
     if masked:
         k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
         seen = _visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
                              MASK_LEFT, MASK_RIGHT, True)  # [BLOCK_M, BLOCK_N]
         s = gl.where(seen, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))  # [BLOCK_M]
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)  # [BLOCK_M]
     m_use, alpha = _online_rescale(m_i, m_new, True)
-    p = gl.exp2(s - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+    x = s * scale_log2 - m_use[:, None]  # [BLOCK_M, BLOCK_N] log2 of p, <= 0
+    p = gl.exp2(x)  # [BLOCK_M, BLOCK_N]
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, m_start, n_lo, n_hi,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, q_row, k_row, n_lo, n_hi,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The load warp: the two warpgroups' Q tiles, then K and V tile by tile into the rings.
 
     A slot is refilled once both consumers have arrived on its ``empty`` barrier (a fresh
-    barrier counts as having completed the phase before its first, so round 0 starts at once)."""
+    barrier counts as having completed the phase before its first, so round 0 starts at once).
+    ``q_row``/``k_row``: the block's first query row and the sequence's first key row on the
+    descriptors' sequence axis."""
     q_bars, k_full, v_full, k_empty, v_empty = bars
     rows_wg: gl.constexpr = q_desc.block_type.shape[1]
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m_start + wg * rows_wg, h, 0], q_bars.index(wg), q_smem.index(wg))
+        tma.async_copy_global_to_shared(q_desc, [b, q_row + wg * rows_wg, h, 0], q_bars.index(wg), q_smem.index(wg))
     for t in range(n_lo, n_hi):
         slot = (t - n_lo) % STAGES
         phase = ((t - n_lo) // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, t * BLOCK_N, hk, 0], k_full.index(slot), k_ring.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [b, k_row + t * BLOCK_N, hk, 0], k_full.index(slot), k_ring.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, t * BLOCK_N, hk, 0], v_full.index(slot), v_ring.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, k_row + t * BLOCK_N, hk, 0], v_full.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh,
-              stride_lb, stride_lh, stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2,
+              stride_lb, stride_lh, stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2,
               window_left, window_right, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: the recurrence for its 64 query rows over every key tile of the block."""
@@ -180,18 +184,19 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, stride_o
     rows_o = m_start + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M]
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
     o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    o_ptrs = o_base + rows_o.to(gl.int64)[:, None] * stride_os + cols_o[None, :]  # [BLOCK_M, HEAD_DIM]
+    o_ptrs = o_base + (q_start + rows_o).to(gl.int64)[:, None] * stride_os + cols_o[None, :]  # [BLOCK_M, HEAD_DIM]
     gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])
-    l_ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_pos.to(gl.int64) * stride_ls
+    l_ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + (q_start + q_pos).to(gl.int64) * stride_ls
     gl.store(l_ptrs, lse, mask=q_pos < seqlen_q)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse,
+    q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
-    GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+    STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid: (query blocks x batch x heads,); program ``pid`` takes query block
@@ -200,7 +205,12 @@ def _attn_fwd_hopper_kernel(
     Three partitions: the default one (``num_warps`` = 4) and a worker warpgroup consume rows
     [0, 64) and [64, 128) of the block; one worker warp produces (TMA). The consumers share
     the K/V rings and meet only at the rings' barriers, so one can run its softmax while the
-    other's matmuls use the tensor cores."""
+    other's matmuls use the tensor cores.
+
+    ``IS_VARLEN``: the descriptors view packed (tokens, heads, dim) tensors as batch 1,
+    sequence ``b`` owns rows cu_seqlens[b]:cu_seqlens[b + 1], and ``seqlen_q`` is the longest
+    sequence (it sizes the grid); blocks past a sequence's end return at once. A key tile that
+    runs past its sequence reads the next sequence's rows, whose scores are masked to -inf."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     ROWS_WG: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -216,6 +226,18 @@ def _attn_fwd_hopper_kernel(
     h = bh % nheads
     hk = h // GROUP
     m_start = m_block * BLOCK_M
+    if IS_VARLEN:
+        q_start = gl.load(CuSeqlensQ + b)
+        seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = gl.load(CuSeqlensK + b)
+        seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
+        b_desc = 0  # the packed tensors are batch 1 to the descriptors
+        if m_start >= seqlen_q:
+            return
+    else:
+        q_start = 0
+        k_start = 0
+        b_desc = b
     n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT)
 
@@ -238,11 +260,11 @@ def _attn_fwd_hopper_kernel(
 
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+                     stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
                      BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     stride_ls, b, h, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+                     stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
                      BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, m_start, n_lo, n_hi,
-                     BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b_desc, h, hk, q_start + m_start, k_start,
+                     n_lo, n_hi, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
