@@ -3,7 +3,8 @@
 Triton's interpreter runs the kernels' arithmetic but not the compiler, so code that only the
 compiler rejects (a global a jit function may not read, a type the backend refuses) or that
 needs more shared memory than an H100/H200 block has would pass CI and fail on the GPU.
-This script drives the real launchers of ``tileattn.gpu`` over a matrix of features, records
+This script drives the real launchers of ``tileattn.gpu`` (the Gluon forward for Hopper
+included, which has no interpreter at all) over a matrix of features, records
 every kernel launch instead of running it, and compiles each recorded launch, for every tile
 configuration the autotuner could pick, to a Hopper cubin with the ptxas that Triton ships.
 
@@ -34,6 +35,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
+from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
+from tileattn.kernels import attn_fwd_hopper  # noqa: E402
 from tileattn.ops.backend import AttnParams  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -198,9 +201,70 @@ def forward_variants(launches, q):
             yield fn, args, kwargs
 
 
+def hopper_cases():
+    """The Gluon forward through its launcher: both head dims and 16-bit dtypes, each mask flag,
+    dense and packed, GQA."""
+    g = torch.Generator().manual_seed(2)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in hopper_launcher.HOPPER_TILES:
+            for left, right, varlen in ((-1, -1, False), (-1, 0, False), (64, 0, False), (-1, 0, True)):
+                shape_q, shape_k = ((600, 8), (700, 2)) if varlen else ((2, 300, 8), (2, 350, 2))
+                q = torch.randn(*shape_q, d, generator=g).to(dtype)
+                k, v = (torch.randn(*shape_k, d, generator=g).to(dtype) for _ in range(2))
+                lse = torch.empty((8, 600) if varlen else (2, 8, 300))
+                kwargs = dict(params=AttnParams(d**-0.5, left, right))
+                if varlen:
+                    kwargs.update(cu_seqlens_q=torch.tensor([0, 250, 600], dtype=torch.int32),
+                                  cu_seqlens_k=torch.tensor([0, 300, 700], dtype=torch.int32), max_seqlen_q=350,
+                                  max_seqlen_k=400)
+                name = f"hopper {dtype} d{d} window ({left}, {right}){' varlen' if varlen else ''}"
+                cases.append((name, (q, k, v, torch.empty_like(q), lse), kwargs))
+    return cases
+
+
+def compile_gluon(fn, args, kwargs):
+    """Compile one recorded launch of a Gluon kernel for Hopper: tensor descriptors enter the
+    signature with their block shape and shared-memory layout."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    names = list(inspect.signature(fn.fn).parameters)
+    bound = {**dict(zip(names, args)), **kwargs}
+    options = {k: bound[k] for k in ("num_warps", "maxnreg") if k in bound}
+    signature, constexprs = {}, {}
+    for name, param in zip(names, fn.params):
+        value = bound[name]
+        if param.is_constexpr or value is None:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, TensorDescriptor):
+            dtype = _PTR[value.base.dtype][1:]
+            signature[name] = f"tensordesc<{dtype}[{', '.join(map(str, value.block_shape))}],{value.layout!r}>"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _PTR[value.dtype]
+        elif isinstance(value, int):
+            signature[name] = "i32"
+        else:
+            signature[name] = "fp32"
+    return triton.compile(GluonASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
+
+
+def record_hopper(*args, **kwargs):
+    launches = []
+    original = attn_fwd_hopper._attn_fwd_hopper_kernel
+    attn_fwd_hopper._attn_fwd_hopper_kernel = Recorder(original, launches)
+    try:
+        hopper_launcher.hopper_attn_fwd(*args, **kwargs)
+    finally:
+        attn_fwd_hopper._attn_fwd_hopper_kernel = original
+    return launches
+
+
 def main() -> int:
     failures = 0
     todo = []
+    for name, tensors, kwargs in hopper_cases():
+        todo += [(name, *launch) for launch in record_hopper(*tensors, **kwargs)]
     for name, q, k, v, kwargs in forward_cases():
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
@@ -209,11 +273,14 @@ def main() -> int:
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
     for name, fn, args, kwargs in todo:
-        tile = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k.startswith("num_")}
+        tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
+        gluon = fn is attn_fwd_hopper._attn_fwd_hopper_kernel
         try:
-            compiled = compile_launch(fn, args, kwargs)
+            compiled = (compile_gluon if gluon else compile_launch)(fn, args, kwargs)
             shared, usage = compiled.metadata.shared, registers(compiled)
             verdict = "ok" if shared <= SMEM_LIMIT else f"FAIL shared memory {shared} > {SMEM_LIMIT}"
+            if gluon and "stack=0" not in usage:  # the warp-specialised kernel's register split must not spill
+                verdict = f"FAIL spills ({usage})"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -71,8 +71,8 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return "paged / seqused_k"
     if num_splits > 1:
         return "explicit KV splits"
-    if q.dtype not in _GL_DTYPES:
-        return f"dtype {q.dtype}"
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype} / {k.dtype} / {v.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
     seq_dim = 0 if varlen else 1
@@ -89,12 +89,17 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
     return None
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
 
 
 def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -118,9 +123,9 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
         l_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
     block_n, stages = HOPPER_TILES[head_dim]
-    q_desc = _descriptor(q, [1, ROWS_WG, 1, head_dim])
-    k_desc = _descriptor(k, [1, block_n, 1, head_dim])
-    v_desc = _descriptor(v, [1, block_n, 1, head_dim])
+    q_desc = _descriptor(q, (1, ROWS_WG, 1, head_dim))
+    k_desc = _descriptor(k, (1, block_n, 1, head_dim))
+    v_desc = _descriptor(v, (1, block_n, 1, head_dim))
     grid = (triton.cdiv(seqlen_q, BLOCK_M) * batch * nheads,)
     _attn_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
