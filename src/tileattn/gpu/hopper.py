@@ -4,8 +4,8 @@
 Hopper kernel takes the call; otherwise the string says why the portable kernel runs (the
 benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
 
-A program computes 128 query rows: two consumer warpgroups of 64 rows and one producer warp
-(``kernels/attn_fwd_hopper.py``). Tiles per head dim: (BLOCK_N, STAGES); shared memory is the
+A persistent grid (one program per SM) walks work items of 128 query rows: two consumer
+warpgroups of 64 rows and one producer warp (``kernels/attn_fwd_hopper.py``). Tiles per head dim: (BLOCK_N, STAGES); shared memory is the
 two Q tiles plus STAGES K and V tiles: hdim 128 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 ->
 16 + 3 x 2 x 16 KB = 112 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
 ``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and
@@ -40,6 +40,11 @@ def hopper_enabled() -> bool:
 @functools.lru_cache(maxsize=None)
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,10 +131,12 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
     q_desc = _descriptor(q, (1, ROWS_WG, 1, head_dim))
     k_desc = _descriptor(k, (1, block_n, 1, head_dim))
     v_desc = _descriptor(v, (1, block_n, 1, head_dim))
-    grid = (triton.cdiv(seqlen_q, BLOCK_M) * batch * nheads,)
+    works = triton.cdiv(seqlen_q, BLOCK_M) * batch * nheads
+    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
+    grid = (min(works, sms),)  # persistent: one program per SM walks the work items
     _attn_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
-        nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
+        batch, nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
         GROUP=nheads // nheads_k, IS_VARLEN=varlen, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )

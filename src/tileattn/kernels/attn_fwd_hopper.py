@@ -65,11 +65,38 @@ def _tile_range(m_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, seqlen_q,
 
 
 @gluon.jit
-def _wait_tile(bars, ring, t, n_lo, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Wait for key tile ``t``'s copy; its buffer as a [BLOCK_N, HEAD_DIM] matrix."""
-    slot = (t - n_lo) % STAGES
-    mbarrier.wait(bars.index(slot), ((t - n_lo) // STAGES) & 1)
-    return ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+def _wait_tile(bars, ring, c, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Wait for the ring's ``c``-th copy (counted over the program's whole run); its buffer as
+    a [BLOCK_N, HEAD_DIM] matrix."""
+    mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
+    return ring.index(c % STAGES).reshape([BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
+def _work(w, num_m_blocks, nheads, GROUP: gl.constexpr, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
+          window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Work item ``w`` of the persistent grid: query block ``num_m_blocks - 1 - w % num_m_blocks``
+    (heaviest causal blocks first) of head ``w // num_m_blocks``. Every partition calls this and
+    walks the same items. Returns (b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k,
+    b_desc, n_lo, n_hi, valid); a packed sequence shorter than the block's start is not valid."""
+    m_start = (num_m_blocks - 1 - w % num_m_blocks) * BLOCK_M
+    bh = w // num_m_blocks
+    b = bh // nheads
+    h = bh % nheads
+    if IS_VARLEN:
+        q_start = gl.load(CuSeqlensQ + b)
+        seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = gl.load(CuSeqlensK + b)
+        seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
+        b_desc = 0  # the packed tensors are batch 1 to the descriptors
+    else:
+        q_start = 0
+        k_start = 0
+        b_desc = b
+    n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
+                                   MASK_LEFT, MASK_RIGHT)
+    return b, h, h // GROUP, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, m_start < seqlen_q
 
 
 @gluon.jit
@@ -96,38 +123,56 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b, h, hk, q_row, k_row, n_lo, n_hi,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The load warp: the two warpgroups' Q tiles, then K and V tile by tile into the rings.
+def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, CuSeqlensK, batch, nheads, seqlen_q_arg,
+              seqlen_k_arg, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+    """The load warp: for each work item, the two warpgroups' Q tiles, then K and V tile by tile.
 
-    A slot is refilled once both consumers have arrived on its ``empty`` barrier (a fresh
-    barrier counts as having completed the phase before its first, so round 0 starts at once).
-    ``q_row``/``k_row``: the block's first query row and the sequence's first key row on the
-    descriptors' sequence axis."""
-    q_bars, k_full, v_full, k_empty, v_empty = bars
-    rows_wg: gl.constexpr = q_desc.block_type.shape[1]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, q_row + wg * rows_wg, h, 0], q_bars.index(wg), q_smem.index(wg))
-    for t in range(n_lo, n_hi):
-        slot = (t - n_lo) % STAGES
-        phase = ((t - n_lo) // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, k_row + t * BLOCK_N, hk, 0], k_full.index(slot), k_ring.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, k_row + t * BLOCK_N, hk, 0], v_full.index(slot), v_ring.index(slot))
+    A buffer is refilled once its consumers have arrived on its ``empty`` barrier (a fresh
+    barrier counts as having completed the phase before its first, so round 0 starts at once);
+    the copies for the next item start while the consumers finish the current one."""
+    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
+    ROWS_WG: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    num_m_blocks = gl.cdiv(seqlen_q_arg, 2 * ROWS_WG)
+    c = 0  # K/V copies issued so far
+    j = 0  # work items loaded so far
+    for w in range(gl.program_id(0), num_m_blocks * batch * nheads, gl.num_programs(0)):
+        b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+            w, num_m_blocks, nheads, GROUP, CuSeqlensQ, CuSeqlensK, seqlen_q_arg, seqlen_k_arg, window_left,
+            window_right, 2 * ROWS_WG, BLOCK_N, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+        if valid:
+            for wg in gl.static_range(2):
+                mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
+                mbarrier.expect(q_full.index(wg), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
+                                                q_full.index(wg), q_smem.index(wg))
+            for t in range(n_lo, n_hi):
+                slot = c % STAGES
+                phase = (c // STAGES) & 1
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [b_desc, k_start + t * BLOCK_N, hk, 0], k_full.index(slot),
+                                                k_ring.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [b_desc, k_start + t * BLOCK_N, hk, 0], v_full.index(slot),
+                                                v_ring.index(slot))
+                c += 1
+            j += 1
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh,
-              stride_lb, stride_lh, stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2,
-              window_left, window_right, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q_arg,
+              seqlen_k_arg, scale_log2, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: the recurrence for its 64 query rows over every key tile of the block."""
-    q_bars, k_full, v_full, k_empty, v_empty = bars
+    """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
+    [64 WG, 64 WG + 64) of the block) over every key tile of the block."""
+    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -136,135 +181,121 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, stride_o
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    m_start = m_start + WG * BLOCK_M
-    _, full_lo, full_hi, _ = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
-                                         MASK_LEFT, MASK_RIGHT)
-    diag_off = seqlen_k - seqlen_q
-    q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
-    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bars.index(WG), 0)
     q_tile = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
+    num_m_blocks = gl.cdiv(seqlen_q_arg, 2 * BLOCK_M)
+    c = 0  # K/V copies consumed so far: the ring position of the item's first tile
+    j = 0  # work items done: the Q buffer's phase
+    for w in range(gl.program_id(0), num_m_blocks * batch * nheads, gl.num_programs(0)):
+        b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+            w, num_m_blocks, nheads, GROUP, CuSeqlensQ, CuSeqlensK, seqlen_q_arg, seqlen_k_arg, window_left,
+            window_right, 2 * BLOCK_M, BLOCK_N, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+        if valid:
+            m_start = m_start + WG * BLOCK_M
+            _, full_lo, full_hi, _ = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                                 window_right, MASK_LEFT, MASK_RIGHT)
+            diag_off = seqlen_k - seqlen_q
+            q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
+            o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
+            off = c - n_lo  # tile t of this item is the ring's copy t + off
+            mbarrier.wait(q_full.index(WG), j & 1)
+            if n_hi > n_lo:
+                # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
+                k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
+                s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
+                mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
+                masked = (n_lo < full_lo) | (n_lo >= full_hi)
+                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                                   window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                                   s_layout)
+                for t in range(n_lo + 1, n_hi):
+                    k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
+                    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)  # [BLOCK_M, BLOCK_N] A operand in registers
+                    o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
+                    mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
+                    masked = (t < full_lo) | (t >= full_hi)
+                    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                                       window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                                       s_layout)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+                    mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
+                    o = o * gl.convert_layout(alpha, row_o)[:, None]
+                v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                o = warpgroup_mma(p_op, v_tile, o)
+                mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
+            mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
+            c += n_hi - n_lo
+            j += 1
 
-    if n_hi > n_lo:
-        # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
-        k_tile = _wait_tile(k_full, k_ring, n_lo, n_lo, STAGES, BLOCK_N, HEAD_DIM)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.arrive(k_empty.index(0), count=1)
-        masked = (n_lo < full_lo) | (n_lo >= full_hi)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
-                                           window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
-        for t in range(n_lo + 1, n_hi):
-            k_tile = _wait_tile(k_full, k_ring, t, n_lo, STAGES, BLOCK_N, HEAD_DIM)
-            s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            v_tile = _wait_tile(v_full, v_ring, t - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)  # [BLOCK_M, BLOCK_N] A operand in registers
-            o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
-            mbarrier.arrive(k_empty.index((t - n_lo) % STAGES), count=1)
-            masked = (t < full_lo) | (t >= full_hi)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
-                                               window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-            mbarrier.arrive(v_empty.index((t - 1 - n_lo) % STAGES), count=1)
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, n_hi - 1, n_lo, STAGES, BLOCK_N, HEAD_DIM)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o = warpgroup_mma(p_op, v_tile, o)
-        mbarrier.arrive(v_empty.index((n_hi - 1 - n_lo) % STAGES), count=1)
-
-    empty = l_i == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
-    o = o / gl.convert_layout(l_safe, row_o)[:, None]
-
-    rows_o = m_start + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M]
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    o_ptrs = o_base + (q_start + rows_o).to(gl.int64)[:, None] * stride_os + cols_o[None, :]  # [BLOCK_M, HEAD_DIM]
-    gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])
-    l_ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + (q_start + q_pos).to(gl.int64) * stride_ls
-    gl.store(l_ptrs, lse, mask=q_pos < seqlen_q)
+            empty = l_i == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
+            l_safe = gl.where(empty, 1.0, l_i)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
+            o = o / gl.convert_layout(l_safe, row_o)[:, None]
+            rows_o = m_start + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M]
+            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+            o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            o_ptrs = o_base + (q_start + rows_o).to(gl.int64)[:, None] * stride_os + cols_o[None, :]
+            gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])  # [BLOCK_M, HEAD_DIM]
+            l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            gl.store(l_base + (q_start + q_pos).to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
+    batch, nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
     STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid: (query blocks x batch x heads,); program ``pid`` takes query block
-    ``num_m_blocks - 1 - pid % num_m_blocks`` (heaviest causal blocks first) of head ``pid // num_m_blocks``.
+    """A persistent grid (at most one program per SM) walks the work items, one query block of
+    128 rows of one (sequence, head) each, in the order of ``_work``.
 
     Three partitions: the default one (``num_warps`` = 4) and a worker warpgroup consume rows
-    [0, 64) and [64, 128) of the block; one worker warp produces (TMA). The consumers share
-    the K/V rings and meet only at the rings' barriers, so one can run its softmax while the
-    other's matmuls use the tensor cores.
+    [0, 64) and [64, 128) of each block; one worker warp produces (TMA). The consumers share
+    the Q buffers and the K/V rings and meet only at their barriers, so one can run its softmax
+    while the other's matmuls use the tensor cores, and the producer copies the next item's
+    tiles while the consumers write the last one's outputs.
 
     ``IS_VARLEN``: the descriptors view packed (tokens, heads, dim) tensors as batch 1,
     sequence ``b`` owns rows cu_seqlens[b]:cu_seqlens[b + 1], and ``seqlen_q`` is the longest
-    sequence (it sizes the grid); blocks past a sequence's end return at once. A key tile that
+    sequence (it sizes the work list); blocks past a sequence's end are skipped. A key tile that
     runs past its sequence reads the next sequence's rows, whose scores are masked to -inf."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    ROWS_WG: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = 2 * ROWS_WG
     dtype: gl.constexpr = q_desc.dtype
-
-    num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // GROUP
-    m_start = m_block * BLOCK_M
-    if IS_VARLEN:
-        q_start = gl.load(CuSeqlensQ + b)
-        seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
-        k_start = gl.load(CuSeqlensK + b)
-        seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
-        b_desc = 0  # the packed tensors are batch 1 to the descriptors
-        if m_start >= seqlen_q:
-            return
-    else:
-        q_start = 0
-        k_start = 0
-        b_desc = b
-    n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
-                                   MASK_LEFT, MASK_RIGHT)
-
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_bars, k_full, v_full, k_empty, v_empty)
+    bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
-                     BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     stride_ls, b, h, q_start, m_start, n_lo, n_hi, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
-                     BLOCK_N, HEAD_DIM, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, b_desc, h, hk, q_start + m_start, k_start,
-                     n_lo, n_hi, BLOCK_N, STAGES)),
+        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os,
+                     stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k, scale_log2,
+                     window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os,
+                     stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k, scale_log2,
+                     window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, CuSeqlensK, batch, nheads,
+                     seqlen_q, seqlen_k, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
