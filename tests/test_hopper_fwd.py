@@ -48,7 +48,7 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
     assert_within("lse", lse, plain_lse, ref_lse)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (203, 203), (1023, 1023), (300, 1000), (1000, 300),

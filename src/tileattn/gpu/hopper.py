@@ -5,9 +5,10 @@ Hopper kernel takes the call; otherwise the string says why the portable kernel 
 benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
 
 A persistent grid (one program per SM) walks work items of 128 query rows: two consumer
-warpgroups of 64 rows and one producer warp (``kernels/attn_fwd_hopper.py``). Tiles per head dim: (BLOCK_N, STAGES); shared memory is the
-two Q tiles plus STAGES K and V tiles: hdim 128 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 ->
-16 + 3 x 2 x 16 KB = 112 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
+warpgroups of 64 rows and one producer warp (``kernels/attn_fwd_hopper.py``). Tiles per head
+dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
+-> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
+2 x 2 x 32 KB = 192 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
 ``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and
 each consumer thread gets ``CONSUMER_REGS`` (2 x 128 x 240 + 128 x 24 <= 168 x 384).
 """
@@ -26,7 +27,7 @@ from ._tuning import interpreting
 
 __all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "HOPPER_TILES"]
 
-HOPPER_TILES = {64: (128, 3), 128: (128, 2)}  # head_dim -> (BLOCK_N, STAGES)
+HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves

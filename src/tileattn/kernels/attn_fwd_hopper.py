@@ -21,9 +21,9 @@ Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.p
 edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
 the mask only on tiles outside the fully visible range (a uniform branch per tile).
 
-Features: dense and packed (varlen) batches, causal and sliding windows (bottom-right aligned), GQA/MQA, head dims
-64 and 128 (powers of two up to 128), fp16/bf16. Everything else runs on the portable kernel;
-the launcher (``tileattn.gpu.hopper``) decides per call.
+Features: dense and packed (varlen) batches, causal and sliding windows (bottom-right
+aligned), GQA/MQA, head dims 64, 128 and 256, fp16/bf16. Everything else runs on the portable
+kernel; the launcher (``tileattn.gpu.hopper``) decides per call.
 """
 
 from triton.experimental import gluon
