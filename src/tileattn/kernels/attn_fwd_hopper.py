@@ -255,8 +255,9 @@ def _attn_fwd_hopper_kernel(
     STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """A persistent grid (at most one program per SM) walks the work items, one query block of
-    128 rows of one (sequence, head) each, in the order of ``_work``.
+    """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
+    of one (sequence, head) each, ordered by ``_work``): with P = the number of SMs the grid is
+    persistent; the launcher makes P the number of items when their costs differ.
 
     Three partitions: the default one (``num_warps`` = 4) and a worker warpgroup consume rows
     [0, 64) and [64, 128) of each block; one worker warp produces (TMA). The consumers share
