@@ -78,7 +78,7 @@ def cases():
     lens_app = torch.full((1,), 8000, dtype=torch.int32, device=dev)
     yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, knew, knew,
                                                                                  cache_seqlens=lens_app)
-    params = tileattn.ops.backend.AttnParams(128 ** -0.5)
+    params = tileattn.contract.AttnParams(128 ** -0.5)
     out = torch.empty_like(q)
     lse = torch.empty((1, 32, 1), device=dev, dtype=torch.float32)
     from tileattn import gpu

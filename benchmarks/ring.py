@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 import tileattn
 from tileattn.distributed.ring import _ring_bwd, _ring_fwd, _Ring, ring_flash_attn_func, zigzag_shard, zigzag_unshard
-from tileattn.ops.backend import AttnParams, backend_for
+from tileattn.contract import AttnParams
+from tileattn.ops.backend import backend_for
 
 
 class _LocalRing:

@@ -35,9 +35,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
+from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.kernels import attn_fwd_hopper  # noqa: E402
-from tileattn.ops.backend import AttnParams  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90

@@ -1,6 +1,6 @@
 """The CPU backend (tileattn.cpu): the tiled torch recurrence against the float64 reference.
 
-Calls ``attn_fwd`` / ``attn_bwd`` directly with the contract's layouts (tileattn.ops.backend),
+Calls ``attn_fwd`` / ``attn_bwd`` directly with the contract's layouts (tileattn.contract),
 outputs poisoned with NaN first. Low-precision dtypes follow the tolerance rule of
 tests/tolerance.py; float64 inputs must match the reference to 1e-12 relative.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tileattn import reference as R
 from tileattn.cpu import attn_bwd, attn_fwd
-from tileattn.ops.backend import AttnParams
+from tileattn.contract import AttnParams
 
 from tolerance import GRAD_FACTOR, assert_within, max_err, plain_attention
 

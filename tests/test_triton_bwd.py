@@ -14,7 +14,7 @@ import torch
 
 from tileattn import reference
 from tileattn.gpu.backward import attn_bwd
-from tileattn.ops.backend import AttnParams
+from tileattn.contract import AttnParams
 from tolerance import GRAD_FACTOR, as_f64, assert_within, max_err, plain_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,7 +15,7 @@ import torch
 from tileattn import reference
 import tileattn.gpu.attention as launch
 from tileattn.gpu.attention import attn_fwd
-from tileattn.ops.backend import AttnParams
+from tileattn.contract import AttnParams
 
 from tolerance import assert_within, plain_attention
 

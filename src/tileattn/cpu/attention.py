@@ -1,6 +1,6 @@
 """FlashAttention on the CPU: the tiled recurrence written with batched torch matmuls.
 
-Implements ``attn_fwd`` / ``attn_bwd`` of the contract in ``tileattn.ops.backend``.
+Implements ``attn_fwd`` / ``attn_bwd`` of the contract in ``tileattn.contract``.
 
 Work is cut into query blocks of ``block_m`` rows and key tiles of ``block_n`` keys. A
 score tile holds every query head of a chunk of (batch x key head) pairs at once: the
@@ -44,7 +44,7 @@ import math
 import torch
 
 from ..dropout_mask import keep_mask
-from ..ops.backend import AttnParams
+from ..contract import AttnParams
 from ..ops.merge import merge_many
 
 __all__ = ["attn_fwd", "attn_bwd"]
@@ -302,7 +302,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              seqused_k=None, block_table=None, num_splits=1,
              block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
-    """Attention forward into ``out`` and ``lse`` (layouts: ``tileattn.ops.backend``).
+    """Attention forward into ``out`` and ``lse`` (layouts: ``tileattn.contract``).
 
     ``num_splits`` > 1 runs the recurrence on that many key ranges and merges the partial
     states with ``tileattn.ops.merge.merge_many``; 0 means 1. ``block_m``, ``block_n`` and
@@ -382,7 +382,7 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              deterministic=False, block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
-    """Gradients of ``sum(out * dout)`` into ``dq``, ``dk``, ``dv`` (layouts: ``tileattn.ops.backend``).
+    """Gradients of ``sum(out * dout)`` into ``dq``, ``dk``, ``dv`` (layouts: ``tileattn.contract``).
 
     Always deterministic (one thread of tiles in a fixed order), so ``deterministic`` is
     accepted and changes nothing.

@@ -5,7 +5,7 @@ Every rank holds one shard of the sequence — its queries and its keys/values, 
 (rank r sends to r + 1 and receives from r - 1, ``torch.distributed`` point-to-point ops),
 the transfer of the next shard overlapping the attention of the current one. After step s
 rank r holds the keys/values of rank ``src = (r - s) mod W``; its queries attend to them with
-the backend contract of ``tileattn.ops.backend`` and the partial state of that block is merged
+the backend contract of ``tileattn.contract`` and the partial state of that block is merged
 into the running one with the library's single merge (``tileattn.ops.merge.merge_states``)::
 
     lse = log(exp(lse_run) + exp(lse_blk)),   o = exp(lse_run - lse) o_run + exp(lse_blk - lse) o_blk
@@ -60,7 +60,8 @@ import torch
 import torch.distributed as dist
 
 from ..ops._validate import check_flags, check_qkv, last_dim_contiguous, make_params
-from ..ops.backend import AttnParams, backend_for
+from ..contract import AttnParams
+from ..ops.backend import backend_for
 from ..ops.merge import merge_states
 
 __all__ = [

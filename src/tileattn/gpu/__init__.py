@@ -1,6 +1,6 @@
 """The Triton backend: launchers for the jit kernels of ``tileattn.kernels``.
 
-Implements the contract of ``tileattn.ops.backend``: ``attn_fwd`` and ``attn_bwd``.
+Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``.
 """
 
 from .attention import attn_fwd

@@ -1,4 +1,4 @@
-"""Launcher of the forward kernel: ``attn_fwd`` as the contract of ``tileattn.ops.backend`` states it.
+"""Launcher of the forward kernel: ``attn_fwd`` as the contract of ``tileattn.contract`` states it.
 
 Inputs are validated by ``tileattn.ops``; this module only chooses the kernel's flags, tile
 sizes and grid, and writes into the ``out``/``lse`` it is given. It never synchronises with
@@ -29,7 +29,7 @@ from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
-from ..ops.backend import AttnParams
+from ..contract import AttnParams
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -138,7 +138,7 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              seqused_k=None, block_table=None, num_splits=1) -> None:
-    """Attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (see ``tileattn.ops.backend``).
+    """Attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (see ``tileattn.contract``).
 
     ``out[..., i, h, :] = sum_j softmax_j(s_ij) v_j`` (dropout-scaled when asked) and
     ``lse[..., h, i] = log sum_j exp(s_ij)`` over the keys query i may see; 0 and -inf if none.

@@ -1,6 +1,6 @@
 """Launcher of the Triton backward kernels (``tileattn.kernels.attn_bwd``).
 
-Implements ``attn_bwd`` of the contract in ``tileattn.ops.backend``: given dO, q, k, v, the
+Implements ``attn_bwd`` of the contract in ``tileattn.contract``: given dO, q, k, v, the
 forward's out and lse, it writes dq, dk, dv (in their own dtype; accumulation is fp32).
 """
 

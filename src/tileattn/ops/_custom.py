@@ -6,7 +6,7 @@ fake (meta) implementations lets ``torch.compile(fullgraph=True)`` trace a model
 tileattn without graph breaks; ``register_autograd`` wires the backward. In eager mode
 ``attention()`` runs the same op bodies without the dispatcher (directly, or inside an
 ``autograd.Function`` when gradients are needed). Both bodies dispatch by device to a
-backend (``tileattn.ops.backend``).
+backend (``tileattn.ops.backend``, contract in ``tileattn.contract``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import AttnParams, backend_for
+from ..contract import AttnParams
+from .backend import backend_for
 
 __all__ = ["attention", "lse_shape"]
 

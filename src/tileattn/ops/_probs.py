@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..dropout_mask import keep_mask
-from .backend import AttnParams
+from ..contract import AttnParams
 
 
 def attention_probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor:

@@ -14,7 +14,8 @@ import numbers
 import numpy as np
 import torch
 
-from .backend import AttnParams, backend_name
+from ..contract import AttnParams
+from .backend import backend_name
 
 MAX_HEADDIM = 256
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,0 +1,77 @@
+"""The backend contract: what ``attn_fwd`` / ``attn_bwd`` take, and ``AttnParams``.
+
+A leaf module (it imports nothing from tileattn), so ``tileattn.ops``, ``tileattn.cpu``, ``tileattn.gpu``
+and ``tileattn.distributed`` all depend on it and never on each other to name a type.
+Two backends implement the same functions with the same arguments:
+
+* ``tileattn.gpu``  — launchers of the Triton kernels in ``tileattn.kernels`` (CUDA tensors,
+  or CPU tensors under ``TRITON_INTERPRET=1``);
+* ``tileattn.cpu``  — the same recurrence over tiles written with torch ops (CPU tensors).
+
+Which one runs is ``tileattn.ops.backend``'s choice.
+
+The contract (inputs are already validated by ``tileattn.ops``; a backend never allocates
+its outputs, it writes into the ones it is given, so tests can poison them with NaN)::
+
+    attn_fwd(q, k, v, out, lse, *, params, alibi_slopes=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+             seqused_k=None, block_table=None, num_splits=1) -> None
+
+    attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+             deterministic=False) -> None
+
+Layouts (last dim contiguous; other strides arbitrary, so views work):
+
+* dense:   q (B, Sq, H, D); k, v (B, Sk, Hk, D); out (B, Sq, H, D); lse (B, H, Sq) fp32.
+* varlen:  ``cu_seqlens_q`` given: q (Tq, H, D), out (Tq, H, D), lse (H, Tq); sequence b owns
+  rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Keys packed too, k, v (Tk, Hk, D) with
+  ``cu_seqlens_k``, unless paged.
+* paged:   ``block_table`` (B, max_blocks) int32 given: k, v are block pools
+  (num_blocks, block_size, Hk, D); key p of sequence b is at
+  ``pool[block_table[b, p // block_size], p % block_size]``. ``seqused_k`` is then required.
+* ``seqused_k`` (B,) int32, when given, is the number of keys of sequence b (a KV cache
+  filled up to there); otherwise Sk (dense) or cu_seqlens_k[b+1] - cu_seqlens_k[b].
+* ``alibi_slopes``: None or (B, H) fp32 (the ops layer expands (H,) with a zero stride).
+* H % Hk == 0: query head h reads key/value head h // (H // Hk). D <= 256.
+* Masks: query i of a sequence with seqlen_q, seqlen_k sees key j iff
+  j <= i + (seqlen_k - seqlen_q) + window_right (if window_right >= 0) and
+  j >= i + (seqlen_k - seqlen_q) - window_left (if window_left >= 0). causal == window_right 0.
+  A row that sees no key: out 0, lse -inf; its gradients are 0.
+* ``num_splits`` >= 1 splits the keys of every (sequence, head) into that many ranges whose
+  partial (o, lse) states are merged (flash-decoding); any value gives the same answer.
+  0 lets the backend choose (the Triton launcher splits when batch x heads cannot fill the
+  GPU; the CPU path does not split).
+* Dropout (params.dropout_p > 0): element (b, h, i, j) is kept iff
+  ``tileattn.dropout_mask.keep_mask(params.dropout_seed, b * H + h, i, j, p)``; kept
+  probabilities are scaled by 1 / (1 - p); the LSE is unaffected.
+* The backward recomputes scores from q, k and the saved lse (no N x N buffer). dk, dv for a
+  shared key/value head are summed over its query-head group. ``deterministic`` asks for
+  bitwise-identical gradients run after run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AttnParams"]
+
+
+@dataclass(frozen=True)
+class AttnParams:
+    """The scalar options of one attention call, normalised by ``tileattn.ops``.
+
+    ``window_left``/``window_right`` < 0 mean unbounded; ``causal`` has been folded into
+    ``window_right = 0``. ``softcap`` 0 means off; ``dropout_p`` 0 means off.
+    """
+
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+
+    @property
+    def causal(self) -> bool:
+        return self.window_right == 0 and self.window_left < 0
