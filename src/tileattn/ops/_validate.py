@@ -1,15 +1,32 @@
-"""Input checks shared by every public function: a clear exception before any kernel runs.
+"""Every input check of the public functions, in one place: a clear exception before anything runs.
 
-Checks on shapes, dtypes and devices are free and always run. Checks that must read tensor
-*values* (cu_seqlens, cache lengths, block tables) copy a few integers to the host; they run
-in eager mode and are skipped while a CUDA graph is being captured or torch.compile traces,
-so a decoding step stays free of host-device synchronisation there.
+Each public function calls these checks first, all of them, and only then rotates, appends
+or launches anything, so a bad argument never leaves a cache half-written. The backends and
+the launchers take validated inputs and do not check again.
+
+Checks on types, shapes, dtypes and devices only read the host's metadata and always run.
+Checks that read tensor *values* (cu_seqlens, cache lengths, block tables, left pads) run
+the way ``value_mode`` says:
+
+* ``"host"`` — on CPU tensors (no synchronisation to pay), and on CUDA tensors when
+  ``TILEATTN_DEBUG_CHECKS=1``: the values are read on the host and a failing check raises
+  an exception that names the argument and the offending values;
+* ``"device"`` — on CUDA tensors by default: the check is a few reductions ending in one
+  ``torch._assert_async``, which never synchronises; a failure is reported by the device
+  (``device-side assert triggered``) at a later synchronisation, and rerunning with
+  ``TILEATTN_DEBUG_CHECKS=1`` names the problem;
+* ``None`` — no value check: while torch.compile traces, while a CUDA graph is captured (a
+  replay must stay lean), with ``TILEATTN_DEBUG_CHECKS=0`` (flash-attn's behaviour: bad
+  values are undefined behaviour), and for tensors that ``PagedKVCache`` produced and
+  vouched for (``vouch``): the host already knows those values.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import operator
+import os
 
 import numpy as np
 import torch
@@ -18,6 +35,8 @@ from ..contract import AttnParams
 from .backend import backend_name
 
 MAX_HEADDIM = 256
+MAX_GRID = 65535  # batch and heads are grid dimensions of the Triton kernels
+DEBUG_ENV = "TILEATTN_DEBUG_CHECKS"
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -25,51 +44,139 @@ def fail(kind: type[Exception], message: str):
     raise kind(message)
 
 
-def value_checks_enabled(t: torch.Tensor) -> bool:
-    """Whether checks that read tensor values may run now (no capture, no tracing)."""
-    if torch.compiler.is_compiling():
-        return False
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+# ------------------------------------------------------------------------ scalar options
 
 
-def check_qkv(q, k, v, *, packed: bool) -> None:
+def integer(name: str, value, minimum: int | None = None) -> int:
+    """An integer-like (int, numpy integer, 0-d integer tensor) as a Python int.
+
+    bool, float and multi-element values are refused (a float window or length is a bug in
+    the caller, not something to round)."""
+    if type(value) is not int:
+        given = value
+        bad = isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool
+                                                 or value.is_floating_point() or value.is_complex()))
+        try:
+            value = None if bad else operator.index(value)
+        except TypeError:
+            value = None
+        if value is None:
+            fail(TypeError, f"{name} must be an integer (int, numpy integer or 0-d integer tensor), got {given!r}")
+    if minimum is not None and value < minimum:
+        fail(ValueError, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def window(window_size) -> tuple[int, int]:
+    """(left, right) from any pair of integer-likes: tuple, list, tensor or numpy array of 2."""
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
+            and type(window_size[1]) is int:
+        entries = window_size
+    elif isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 and len(window_size) == 2:
+        if window_size.dtype in (torch.bool, np.bool_) or not (
+                (isinstance(window_size, torch.Tensor) and not window_size.is_floating_point()
+                 and not window_size.is_complex())
+                or (isinstance(window_size, np.ndarray) and np.issubdtype(window_size.dtype, np.integer))):
+            fail(TypeError, f"window_size must hold integers, got dtype {window_size.dtype}")
+        entries = window_size.tolist()
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        entries = window_size
+    else:
+        fail(TypeError, f"window_size must be a pair of integers (left, right), got {window_size!r}")
+    left, right = (integer(f"window_size[{i}]", w) for i, w in enumerate(entries))
+    if left < -1 or right < -1:
+        fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {(left, right)}")
+    return left, right
+
+
+def check_flags(**flags) -> None:
+    """Boolean options (``deterministic``, ``return_attn_probs``, ...) must be bools: a string
+    such as "false" would otherwise count as true."""
+    for name, value in flags.items():
+        if value is not True and value is not False:
+            fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor))
+
+
+def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed=0) -> AttnParams:
+    """Normalise the scalar options into AttnParams; causal becomes window_right = 0."""
+    if softmax_scale is None:
+        softmax_scale = headdim**-0.5
+    if not _real(softmax_scale):
+        fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        fail(ValueError, f"softmax_scale must be finite, got {softmax_scale!r}")
+    check_flags(causal=causal)
+    left, right = window(window_size)
+    if causal:
+        right = 0
+    if not _real(softcap) or not softcap >= 0 or not math.isfinite(softcap):
+        fail(ValueError, f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
+        fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return AttnParams(float(softmax_scale), left, right, float(softcap), float(dropout_p), int(dropout_seed))
+
+
+def num_splits(value) -> int:
+    if type(value) is not int or value < 0:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, torch.Tensor)):
+            fail(ValueError, f"num_splits must be an int >= 0 (0 = automatic), got {value!r}")
+        value = integer("num_splits", value, 0)
+    return value
+
+
+# ------------------------------------------------------------------------ tensors
+
+
+def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
     """dtype, device and shape checks for q (.., H, D), k and v (.., Hk, D).
 
-    Dense tensors are 4-D (batch, seqlen, heads, headdim); packed (varlen) ones 3-D.
+    Dense tensors are 4-D (batch, seqlen, heads, headdim); packed (varlen) q is 3-D, and so
+    are k, v unless ``cache``: then they are a KV cache or block pool, always 4-D.
     """
-    names = ("q", "k", "v")
-    for name, t in zip(names, (q, k, v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not (q.dtype == k.dtype == v.dtype):
         fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    allowed = _LOW_PRECISION + ((torch.float64,) if backend_name(q.device) == "cpu" else ())
-    if q.dtype not in allowed:
-        fail(TypeError, f"dtype {q.dtype} is not supported here: use one of {', '.join(map(str, allowed))}")
     if not (q.device == k.device == v.device):
         fail(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dtype not in _LOW_PRECISION and not (q.dtype == torch.float64 and backend_name(q.device) == "cpu"):
+        allowed = _LOW_PRECISION + ((torch.float64,) if backend_name(q.device) == "cpu" else ())
+        fail(TypeError, f"dtype {q.dtype} is not supported here: use one of {', '.join(map(str, allowed))}")
     backend_name(q.device)  # raises for unsupported devices
     want = 3 if packed else 4
-    layout = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
-    for name, t in zip(names, (q, k, v)):
-        if t.dim() != want:
-            fail(ValueError, f"{name} must be {want}-D {layout}, got shape {tuple(t.shape)}")
+    if q.dim() != want:
+        fail(ValueError, f"q must be {want}-D {'(total_tokens' if packed else '(batch, seqlen'}, nheads, headdim), "
+                         f"got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if cache and t.dim() != 4:
+            fail(ValueError, f"the {name} cache must be 4-D: (batch, seqlen_cache, nheads_k, headdim), or with "
+                             f"block_table a pool (num_blocks, block_size, nheads_k, headdim); got {tuple(t.shape)}")
+        if not cache and t.dim() != want:
+            fail(ValueError, f"{name} must be {want}-D {'(total_tokens' if packed else '(batch, seqlen'}, nheads, "
+                             f"headdim), got shape {tuple(t.shape)}")
     if k.shape != v.shape:
-        fail(ValueError, f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    check_heads(q, k)
-
-
-def check_heads(q, k) -> None:
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    headdim = q.shape[-1]
+        fail(ValueError, f"k and v{' caches' if cache else ''} must have one shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    nheads, nheads_k, headdim = q.shape[-2], k.shape[-2], q.shape[-1]
     if nheads_k == 0 or nheads % nheads_k:
         fail(ValueError, f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k})")
     if k.shape[-1] != headdim:
         fail(ValueError, f"q, k, v must share headdim, got q {headdim} and k/v {k.shape[-1]}")
     if not 1 <= headdim <= MAX_HEADDIM:
         fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    if nheads > MAX_GRID:
+        fail(ValueError, f"nheads ({nheads}) must be at most {MAX_GRID}")
+
+
+def check_batch(batch: int) -> None:
+    if batch > MAX_GRID:
+        fail(ValueError, f"batch ({batch}) must be at most {MAX_GRID}")
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,39 +184,6 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is not None and t.stride(-1) != 1:
         return t.contiguous()
     return t
-
-
-def check_flags(**flags) -> None:
-    """Boolean options (``deterministic``, ``return_attn_probs``, ...) must be bools: a string
-    such as "false" would otherwise count as true."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
-
-
-def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed=0) -> AttnParams:
-    """Normalise the scalar options into AttnParams; causal becomes window_right = 0."""
-    if softmax_scale is None:
-        softmax_scale = headdim**-0.5
-    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, numbers.Real):
-        fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        fail(ValueError, f"softmax_scale must be finite, got {softmax_scale!r}")
-    check_flags(causal=causal)
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        fail(TypeError, f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right < -1:
-        fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
-    if causal:
-        right = 0
-    if (isinstance(softcap, (torch.Tensor, bool)) or not isinstance(softcap, numbers.Real) or not softcap >= 0
-            or not math.isfinite(softcap)):
-        fail(ValueError, f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
-    if isinstance(dropout_p, (torch.Tensor, bool)) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    return AttnParams(float(softmax_scale), int(left), int(right), float(softcap), float(dropout_p), int(dropout_seed))
 
 
 def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> torch.Tensor | None:
@@ -127,25 +201,156 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> torch.Tensor |
     return alibi_slopes.expand(batch, nheads)
 
 
-def check_int32_vector(name: str, t, length: int, device) -> None:
+def check_int32_vector(name: str, t, length: int, device, what: str = "") -> None:
     if not isinstance(t, torch.Tensor):
         fail(TypeError, f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         fail(TypeError, f"{name} must be int32, got {t.dtype}")
     if t.dim() != 1 or t.shape[0] != length:
-        fail(ValueError, f"{name} must have shape ({length},), got {tuple(t.shape)}")
+        fail(ValueError, f"{name} must have shape ({length},){what}, got {tuple(t.shape)}")
     if t.device != device:
         fail(ValueError, f"{name} is on {t.device} but q is on {device}")
 
 
-def check_cu_seqlens(name: str, cu, total: int, max_seqlen: int) -> None:
-    """cu_seqlens starts at 0, never decreases, ends at the number of packed tokens."""
-    if not value_checks_enabled(cu):
+def check_offsets(cu_seqlens_q, cu_seqlens_k, q) -> int:
+    """Types and shapes of the two cu_seqlens; returns the batch size (their values: ``check_cu_seqlens``)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 2:
+            fail(ValueError, f"{name} must be a 1-D int32 tensor of length batch + 1 (>= 2), got "
+                             f"{getattr(cu, 'shape', cu)!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1:
+        fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must both hold batch + 1 offsets: cu_seqlens_q has "
+                         f"{batch + 1} (a batch of {batch}), cu_seqlens_k has {cu_seqlens_k.shape[0]}")
+    check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device)
+    check_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device)
+    check_batch(batch)
+    return batch
+
+
+def check_block_table(block_table, batch: int, device) -> None:
+    """Type, shape and device of a block table (its values: ``check_cache_values``)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        fail(TypeError, "block_table must be an int32 tensor of shape (batch, max_blocks_per_seq)")
+    if block_table.shape[0] != batch:
+        fail(ValueError, f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
+    if block_table.device != device:
+        fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
+
+
+def check_new_kv(k, v, k_cache, batch: int) -> None:
+    """The new keys and values that ``flash_attn_with_kvcache`` appends."""
+    if (k is None) != (v is None):
+        fail(ValueError, "pass both k and v to append, or neither")
+    if k is None:
+        return
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            fail(ValueError, f"new {name} must be 4-D (batch, seqlen_new, nheads_k, headdim), got "
+                             f"{getattr(t, 'shape', t)}")
+        if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+            fail(ValueError, f"new {name} has shape {tuple(t.shape)}; expected ({batch}, seqlen_new, "
+                             f"{k_cache.shape[2]}, {k_cache.shape[3]})")
+        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+            fail(TypeError, f"new {name} must match the cache's dtype and device ({k_cache.dtype}, {k_cache.device})")
+    if k.shape != v.shape:
+        fail(ValueError, f"new k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_rotary(rotary_cos, rotary_sin, k, headdim: int, device) -> int | None:
+    """Shapes, dtypes and devices of the rotary tables; returns seqlen_ro (None without rotary)."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        fail(ValueError, "pass both rotary_cos and rotary_sin, or neither")
+    if rotary_cos is None:
+        return None
+    if k is None:
+        fail(ValueError, "rotary_cos/rotary_sin rotate the new k and q: pass k and v too (flash-attn asks the same)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            fail(ValueError, f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got {getattr(t, 'shape', t)}")
+        if not t.is_floating_point():
+            fail(TypeError, f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != device:
+            fail(ValueError, f"{name} is on {t.device} but q is on {device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        fail(ValueError, f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    if not 0 < 2 * rotary_cos.shape[1] <= headdim:
+        fail(ValueError, f"rotary_dim (2 x {rotary_cos.shape[1]}) must be between 1 and headdim ({headdim})")
+    return rotary_cos.shape[0]
+
+
+def cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:
+    """cache_seqlens as an int32 tensor (batch,) on q's device (its values: ``check_cache_values``)."""
+    if cache_seqlens is None:
+        if paged:
+            fail(ValueError, "a paged cache (block_table) needs cache_seqlens")
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        n = integer("cache_seqlens", cache_seqlens, 0)
+        if n > capacity:
+            fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {n}")
+        return torch.full((batch,), n, dtype=torch.int32, device=device)
+    check_int32_vector("cache_seqlens", cache_seqlens, batch, device)
+    return cache_seqlens
+
+
+# ------------------------------------------------------------------------ tensor values
+
+
+def value_mode(t: torch.Tensor) -> str | None:
+    """How checks that read ``t``'s values run now: "host", "device" or None (module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
+    if not t.is_cuda:
+        return "host"
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    flag = os.environ.get(DEBUG_ENV, "")
+    return "host" if flag == "1" else None if flag == "0" else "device"
+
+
+def _assert_on_device(ok: torch.Tensor, what: str) -> None:
+    torch._assert_async(ok, f"tileattn: {what} (rerun with {DEBUG_ENV}=1 for the exact check)")
+
+
+def _within(x: torch.Tensor, lo, hi) -> torch.Tensor:
+    """One boolean on x's device: every entry of x lies in [lo, hi] (bounds: numbers or tensors)."""
+    return x.clamp(min=lo, max=hi).eq(x).all()
+
+
+def vouch(t: torch.Tensor, facts: tuple) -> torch.Tensor:
+    """Mark ``t`` as holding values its producer knows on the host (``PagedKVCache``): ``facts``
+    stand in for reading them, as long as ``t`` is not modified (its version counter)."""
+    t._tileattn_facts = (t._version, facts)
+    return t
+
+
+def vouched(t: torch.Tensor):
+    """The facts ``vouch`` recorded for ``t``, or None if there are none or ``t`` changed since."""
+    mark = getattr(t, "_tileattn_facts", None)
+    return mark[1] if mark is not None and mark[0] == t._version else None
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_seqlen: int) -> None:
+    """cu_seqlens starts at 0, never decreases, ends at the number of packed tokens (``total``;
+    None for the keys of a paged pool, whose end is not a row count) and no sequence has more
+    than ``max_seqlen`` tokens."""
+    mode = value_mode(cu)
+    if mode == "device":
+        lengths = cu.diff()
+        ok = _within(lengths, 0, max_seqlen) & cu[0].eq(0)
+        if total is not None:
+            ok = ok & cu[-1].eq(total)
+        _assert_on_device(ok, f"{name} must start at 0, never decrease and end at the number of packed tokens, "
+                              f"with no sequence longer than its max_seqlen")
+    if mode != "host":
         return
     values = cu.tolist()
-    if values[0] != 0 or values[-1] != total:
+    if values[0] != 0 or (total is not None and values[-1] != total):
         fail(ValueError, f"{name} must start at 0 and end at the number of packed tokens ({total}), "
-                         f"got {values[0]} ... {values[-1]}")
+                         f"got {values[0]} ... {values[-1]}" if total is not None else
+                         f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     if min(lengths, default=0) < 0:
         fail(ValueError, f"{name} must be non-decreasing, got {values}")
@@ -154,45 +359,98 @@ def check_cu_seqlens(name: str, cu, total: int, max_seqlen: int) -> None:
 
 
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
-                       num_blocks: int = 0, rotary_len: int | None = None, table_name: str = "block_table",
-                       leftpad=None) -> None:
-    """KV-cache lengths and block-table entries, read back with one device-to-host copy.
+                       num_blocks: int = 0, rotary_len: int | None = None, rotary_reach: int = 0,
+                       table_name: str = "block_table", leftpad=None, lengths_name: str = "cache_seqlens") -> None:
+    """KV-cache lengths, left pads and block-table entries.
 
     After appending ``new_tokens``, every length must fit the capacity, and every block-table
     entry that a sequence's keys live in must index the pool (entries past a sequence's last
     page are never read, so they may hold anything). A sequence's ``leftpad`` (the slot its
-    keys start at) must lie within 0 .. its length.
+    keys start at) must lie within 0 .. its length. With rotary tables of ``rotary_len``
+    positions, every rotated position (up to length + ``rotary_reach`` - 1) must have a row.
     """
-    if seqlens.numel() == 0 or not value_checks_enabled(seqlens):
+    if seqlens.numel() == 0:
         return
-    batch = seqlens.shape[0]
-    has_table = block_table is not None and block_table.numel() > 0
-    # The one device-to-host copy (lengths and table together), then a few numpy reductions:
-    # cheaper on the host than the handful of small reduction kernels the device would run.
-    parts = [seqlens] + ([leftpad] if leftpad is not None else []) + ([block_table.reshape(-1)] if has_table else [])
-    host = (torch.cat(parts) if len(parts) > 1 else seqlens).cpu().numpy().astype(np.int64)
-    lengths = host[:batch]
+    facts = _cache_facts(seqlens, block_table, block_size)
+    if facts is not None:  # PagedKVCache's own tensors: the host knows every value
+        longest, room, top_block = facts
+        if new_tokens > room:
+            fail(ValueError, f"PagedKVCache: a sequence has room for {room} more tokens, {new_tokens} are appended; "
+                             f"call reserve first")
+        _check_extent(0, longest, new_tokens, capacity, rotary_len, rotary_reach, lengths_name)
+        if top_block >= num_blocks:
+            fail(IndexError, f"block_table entries in use must index the cache's {num_blocks} blocks, found "
+                             f"0..{top_block}")
+        return
+    mode = value_mode(seqlens)
+    if mode == "device":
+        _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
+                               rotary_reach, table_name, leftpad, lengths_name)
+    if mode != "host":
+        return
+    # The one device-to-host copy (when debugging CUDA tensors), then a few numpy reductions.
+    lengths = seqlens.cpu().numpy().astype(np.int64)
     if leftpad is not None:
-        pads, host = host[batch:2 * batch], np.concatenate([lengths, host[2 * batch:]])
+        pads = leftpad.cpu().numpy()
         if (pads < 0).any() or (pads > lengths).any():
             fail(IndexError, f"cache_leftpad must lie within 0..cache_seqlens of each sequence, found "
                              f"{pads.tolist()} for lengths {lengths.tolist()}")
-    total = lengths + new_tokens
-    lo, hi = int(lengths.min()), int(total.max())
-    table = []
-    if has_table:
-        entries = host[batch:].reshape(batch, -1)
-        pages = (total + block_size - 1) // block_size  # (batch,) pages each sequence's keys occupy
+    _check_extent(int(lengths.min()), int(lengths.max()), new_tokens, capacity, rotary_len, rotary_reach,
+                  lengths_name)
+    if block_table is not None and block_table.numel() > 0:
+        entries = block_table.cpu().numpy()
+        pages = (lengths + new_tokens + block_size - 1) // block_size  # (batch,) pages each sequence's keys occupy
         in_use = entries[np.arange(entries.shape[1])[None, :] < pages[:, None]]
-        if in_use.size:
-            table = [int(in_use.min()), int(in_use.max())]
-    if lo < 0 or hi > capacity:
+        if in_use.size and (in_use.min() < 0 or in_use.max() >= num_blocks):
+            fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "
+                             f"{'blocks' if table_name == 'block_table' else 'rows'}, found "
+                             f"{in_use.min()}..{in_use.max()}")
+
+
+def _check_extent(lo: int, hi: int, new_tokens: int, capacity: int, rotary_len, rotary_reach: int,
+                  lengths_name: str) -> None:
+    """Lengths lo..hi (before the append) against the capacity and the rotary tables."""
+    if lo < 0 or hi + new_tokens > capacity:
         if new_tokens:
-            fail(IndexError, f"appending {new_tokens} tokens needs room for {hi} keys, the cache holds {capacity} "
-                             f"per sequence (cache_seqlens found {lo}..{hi - new_tokens})")
-        fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {lo}..{hi}")
-    if rotary_len is not None and hi > rotary_len:
-        fail(IndexError, f"rotary_cos/rotary_sin cover {rotary_len} positions, the new tokens reach position {hi - 1}")
-    if table and (table[0] < 0 or table[1] >= num_blocks):
-        fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "
-                         f"{'blocks' if table_name == 'block_table' else 'rows'}, found {table[0]}..{table[1]}")
+            fail(IndexError, f"appending {new_tokens} tokens needs room for {hi + new_tokens} keys, the cache holds "
+                             f"{capacity} per sequence ({lengths_name} found {lo}..{hi})")
+        if lengths_name == "cache_seqlens":
+            fail(IndexError, f"cache_seqlens must be within 0..{capacity} (the cache's capacity), found {lo}..{hi}")
+        fail(IndexError, f"a sequence in {lengths_name} has {hi} keys, the block table holds {capacity}")
+    if rotary_len is not None and hi + rotary_reach > rotary_len:
+        fail(IndexError, f"rotary_cos/rotary_sin cover {rotary_len} positions, the new tokens reach position "
+                         f"{hi + rotary_reach - 1}")
+
+
+def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
+                           rotary_reach, table_name, leftpad, lengths_name) -> None:
+    """``check_cache_values`` as reductions on the device and one asynchronous assertion."""
+    top = capacity - new_tokens
+    if rotary_len is not None:
+        top = min(top, rotary_len - rotary_reach)
+    ok = _within(seqlens, 0, top)
+    what = f"{lengths_name} (+ {new_tokens} new tokens) must lie within 0..{capacity}"
+    if rotary_len is not None:
+        what += f" and within the {rotary_len} rotary positions"
+    if leftpad is not None:
+        ok = ok & leftpad.clamp(min=0).minimum(seqlens).eq(leftpad).all()
+        what += "; cache_leftpad within 0..cache_seqlens"
+    if block_table is not None and block_table.numel() > 0:
+        ends = seqlens + new_tokens if new_tokens else seqlens  # keys of each sequence after the append
+        starts = torch.arange(0, block_table.shape[1] * block_size, block_size, device=seqlens.device,
+                              dtype=torch.int32)
+        in_use = torch.where(starts < ends[:, None], block_table, 0)
+        ok = ok & _within(in_use, 0, num_blocks - 1)
+        what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
+    _assert_on_device(ok, what)
+
+
+def _cache_facts(seqlens, block_table, block_size: int):
+    """(longest length, least room, largest block id) when PagedKVCache vouched for both tensors
+    in one state of the cache, for the same sequences and this pool's block size, else None."""
+    if block_table is None:
+        return None
+    lens, table = vouched(seqlens), vouched(block_table)
+    if lens is None or table is None or lens[0] != table[0] or lens[0][-1] != block_size:
+        return None
+    return lens[1], lens[2], table[1]

@@ -21,23 +21,43 @@ and with seqlen_q = 5, seqlen_k = 2 (the first three rows see nothing: output 0,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..contract import AttnParams
+from ..dropout_mask import M32, fmix32
 from . import _validate as V
 from ._custom import attention
 from ._probs import attention_probs
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "draw_dropout_seed"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "draw_dropout_seed",
+           "with_dropout_seed"]
 
 
-def draw_dropout_seed(dropout_p: float) -> int:
-    """A fresh seed for the dropout hash from torch's (CPU) default generator; 0 when off.
+def draw_dropout_seed(dropout_p: float, device: torch.device = torch.device("cpu")) -> int:
+    """A fresh seed for the dropout hash; 0 when dropout is off.
 
-    Seeding torch (``torch.manual_seed``) therefore makes dropout reproducible.
+    It comes from the default generator of the inputs' device, as flash-attn's does: on
+    CUDA, from the generator's (seed, offset) state, read and advanced on the host (no
+    synchronisation), so ``torch.cuda.manual_seed`` makes dropout reproducible; on the CPU,
+    a draw from torch's CPU generator (``torch.manual_seed``).
     """
     if dropout_p == 0.0:
         return 0
+    if device.type == "cuda":
+        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        offset = gen.get_offset()
+        gen.set_offset(offset + 4)  # Philox offsets advance in steps of 4
+        return fmix32((gen.initial_seed() & M32) ^ fmix32((offset // 4) & M32)) & 0x7FFFFFFF
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def with_dropout_seed(params: AttnParams, device: torch.device) -> AttnParams:
+    """``params`` with a seed drawn for this call (``draw_dropout_seed``) when dropout is on."""
+    if params.dropout_p == 0.0:
+        return params
+    return dataclasses.replace(params, dropout_seed=draw_dropout_seed(params.dropout_p, device))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -60,9 +80,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     batch, seqlen_q = q.shape[0], q.shape[1]
     if k.shape[0] != batch:
         V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
+    V.check_batch(batch)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, dropout_p=dropout_p, dropout_seed=draw_dropout_seed(dropout_p))
+                           softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+
+    params = with_dropout_seed(params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
                          deterministic=deterministic)

@@ -5,7 +5,14 @@ headdim); all layers share one allocation per sequence, so a sequence's block li
 of the block table) is the same for every layer. Book-keeping (free list, block lists,
 lengths) lives on the host; the tensors the kernels take — ``block_table`` (batch,
 max_blocks) int32 and ``cache_seqlens`` (batch,) int32 — are produced on the pool's device,
-optionally into caller-owned buffers (``out=``) so a CUDA graph can replay them.
+optionally into caller-owned buffers (``out=``) so a CUDA graph can replay them, copied from
+pinned host memory without a synchronisation.
+
+The cache vouches for the tensors it produces (``tileattn.ops._validate.vouch``): as long as
+they are not modified, ``flash_attn_with_kvcache`` checks their values against what the
+host knows (the longest sequence, the least room, the largest block id) instead of reading
+them on the device. Every method checks its arguments first (known, distinct sequence ids;
+token counts that are ints >= 0) and leaves the cache as it was when one is wrong.
 
 A decoding step with it::
 
@@ -21,6 +28,8 @@ A decoding step with it::
 from __future__ import annotations
 
 import torch
+
+from ._validate import vouch
 
 __all__ = ["PagedKVCache"]
 
@@ -41,6 +50,7 @@ class PagedKVCache:
         self._blocks: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._next_id = 0
+        self._epoch = 0  # counts changes of lengths and block lists: vouched-for tensors name the state
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +71,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Return the sequence's blocks to the pool."""
         self._check(seq_id)
+        self._epoch += 1
         self._free.extend(reversed(self._blocks.pop(seq_id)))
         del self._lengths[seq_id]
 
@@ -73,72 +84,106 @@ class PagedKVCache:
 
         Raises MemoryError (and allocates nothing) when the pool has too few free blocks.
         """
+        ids = self._ids(seq_ids)
+        n = self._count(n)
         needs = {}
-        for seq_id in seq_ids:
-            self._check(seq_id)
+        for seq_id in ids:
             want = -(-(self._lengths[seq_id] + n) // self.block_size)
             needs[seq_id] = max(0, want - len(self._blocks[seq_id]))
         if sum(needs.values()) > len(self._free):
             raise MemoryError(f"PagedKVCache: {sum(needs.values())} blocks needed, {len(self._free)} free")
+        self._epoch += 1
         for seq_id, count in needs.items():
             self._blocks[seq_id].extend(self._free.pop() for _ in range(count))
 
     def advance(self, seq_ids, n: int) -> None:
         """Record that ``n`` tokens were written after each sequence's current length."""
-        for seq_id in seq_ids:
-            self._check(seq_id)
+        ids = self._ids(seq_ids)
+        n = self._count(n)
+        for seq_id in ids:
             if self._lengths[seq_id] + n > len(self._blocks[seq_id]) * self.block_size:
                 raise ValueError(f"PagedKVCache: sequence {seq_id} has no room for {n} more tokens; reserve first")
-        for seq_id in seq_ids:
+        self._epoch += 1
+        for seq_id in ids:
             self._lengths[seq_id] += n
 
     def block_table(self, seq_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """int32 (len(seq_ids), max_blocks): each row the sequence's blocks, padded with 0."""
-        rows = [self._blocks[self._check(s)] for s in seq_ids]
+        ids = self._ids(seq_ids)
+        rows = [self._blocks[s] for s in ids]
         width = max((len(r) for r in rows), default=0) if out is None else out.shape[1]
         table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
         for i, row in enumerate(rows):
             if len(row) > table.shape[1]:
                 raise ValueError(f"block_table buffer has {table.shape[1]} columns, sequence needs {len(row)}")
             table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        return self._into(table, out)
+        top = max((max(r) for r in rows if r), default=0)
+        return vouch(self._into(table, out), (self._state(ids), top))
 
     def seqlens(self, seq_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """int32 (len(seq_ids),): the number of tokens each sequence holds."""
-        lengths = torch.tensor([self._lengths[self._check(s)] for s in seq_ids], dtype=torch.int32)
-        return self._into(lengths, out)
+        ids = self._ids(seq_ids)
+        lengths = [self._lengths[s] for s in ids]
+        room = min((len(self._blocks[s]) * self.block_size - self._lengths[s] for s in ids), default=0)
+        host = torch.tensor(lengths, dtype=torch.int32)
+        return vouch(self._into(host, out), (self._state(ids), max(lengths, default=0), room))
 
-    def write_packed(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    def write_packed(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
         """Scatter packed tokens k, v (total, nheads_k, headdim) after each sequence's length.
 
-        Sequence ``seq_ids[b]`` receives rows cu_seqlens[b]:cu_seqlens[b+1]. Call ``reserve``
-        before and ``advance`` after writing all layers.
+        Sequence ``seq_ids[b]`` receives rows cu_seqlens[b]:cu_seqlens[b+1] (a list or a CPU
+        tensor; a CUDA tensor costs a device-to-host copy). Call ``reserve`` before and
+        ``advance`` after writing all layers.
         """
-        offsets = cu_seqlens.tolist()
-        if len(offsets) != len(seq_ids) + 1 or offsets[-1] != k.shape[0] or k.shape != v.shape:
+        ids = self._ids(seq_ids)
+        offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if len(offsets) != len(ids) + 1 or offsets[-1] != k.shape[0] or k.shape != v.shape:
             raise ValueError("write_packed: cu_seqlens must have len(seq_ids) + 1 entries ending at k.shape[0], "
                              "and k, v one shape")
         blocks, slots = [], []
-        for seq_id, start, end in zip(seq_ids, offsets[:-1], offsets[1:]):
-            self._check(seq_id)
-            pos = torch.arange(self._lengths[seq_id], self._lengths[seq_id] + end - start)
-            table = self._blocks[seq_id]
-            if end - start and int(pos[-1]) // self.block_size >= len(table):
+        for seq_id, start, end in zip(ids, offsets[:-1], offsets[1:]):
+            if end < start:
+                raise ValueError(f"write_packed: cu_seqlens must be non-decreasing, got {offsets}")
+            length, table = self._lengths[seq_id], self._blocks[seq_id]
+            if length + end - start > len(table) * self.block_size:
                 raise ValueError(f"PagedKVCache: sequence {seq_id} has no room for {end - start} tokens; reserve first")
-            blocks.append(torch.tensor(table, dtype=torch.long)[pos // self.block_size] if len(pos) else pos)
-            slots.append(pos % self.block_size)
-        blk = torch.cat(blocks).to(self.device)
-        slot = torch.cat(slots).to(self.device)
+            for pos in range(length, length + end - start):
+                blocks.append(table[pos // self.block_size])
+                slots.append(pos % self.block_size)
+        blk = self._into(torch.tensor(blocks, dtype=torch.long), None)
+        slot = self._into(torch.tensor(slots, dtype=torch.long), None)
         self.k_cache[layer][blk, slot] = k
         self.v_cache[layer][blk, slot] = v
 
     def _into(self, host: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        if out is None:
-            return host.to(self.device)
-        if out.shape != host.shape:
+        """``host`` on the pool's device, or copied into ``out``; from pinned memory without a
+        synchronisation when the device is a GPU."""
+        if out is not None and out.shape != host.shape:
             raise ValueError(f"out buffer has shape {tuple(out.shape)}, expected {tuple(host.shape)}")
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        if out is None:
+            return host.to(self.device, non_blocking=True)
         out.copy_(host, non_blocking=True)
         return out
+
+    def _state(self, ids: list[int]) -> tuple:
+        """What a vouched-for tensor's values depend on: this cache, its state, the sequences, the block size."""
+        return (id(self), self._epoch, tuple(ids), self.block_size)
+
+    def _ids(self, seq_ids) -> list[int]:
+        ids = list(seq_ids)
+        for seq_id in ids:
+            self._check(seq_id)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"PagedKVCache: a sequence is named twice in {ids}")
+        return ids
+
+    @staticmethod
+    def _count(n) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"PagedKVCache: the number of tokens must be an int >= 0, got {n!r}")
+        return n
 
     def _check(self, seq_id: int) -> int:
         if seq_id not in self._blocks:

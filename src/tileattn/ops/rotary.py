@@ -14,26 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate as V
-
-__all__ = ["apply_rotary", "check_rotary"]
-
-
-def check_rotary(rotary_cos, rotary_sin, headdim: int, device) -> int:
-    """Shapes, dtypes and devices of the tables; returns seqlen_ro (how many positions they cover)."""
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            V.fail(ValueError, f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got {getattr(t, 'shape', t)}")
-        if not t.is_floating_point():
-            V.fail(TypeError, f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != device:
-            V.fail(ValueError, f"{name} is on {t.device} but q is on {device}")
-    if rotary_cos.shape != rotary_sin.shape:
-        V.fail(ValueError, f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
-                           f"{tuple(rotary_sin.shape)}")
-    if not 0 < 2 * rotary_cos.shape[1] <= headdim:
-        V.fail(ValueError, f"rotary_dim (2 x {rotary_cos.shape[1]}) must be between 1 and headdim ({headdim})")
-    return rotary_cos.shape[0]
+__all__ = ["apply_rotary"]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
