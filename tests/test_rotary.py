@@ -88,3 +88,78 @@ def test_rotary_bad_input_raises(change, error, words):
                 rotary_cos=torch.ones(40, 4), rotary_sin=torch.zeros(40, 4), causal=True)
     with pytest.raises(error, match=words):
         tileattn.flash_attn_with_kvcache(**change(args))
+
+
+@pytest.mark.parametrize("seqlen_q,new", [(4, 1), (2, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_when_the_new_chunk_and_q_differ_in_length(device, seqlen_q, new, causal):
+    """flash-attn's positions with seqlen_q != seqlen_new (speculative decoding, chunked appends):
+    key j at cache_seqlens + j; query i at cache_seqlens + i when causal, else at cache_seqlens."""
+    gen = torch.Generator().manual_seed(62)
+    batch, headdim, rotary_dim = 2, 32, 32
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    angles = torch.rand(20, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    q = torch.randn(batch, seqlen_q, 4, headdim, generator=gen)
+    k_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    v_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    cached_k = torch.randn(batch, 16, 2, headdim, generator=gen)
+    cached_v = torch.randn(batch, 16, 2, headdim, generator=gen)
+    k_cache, v_cache = cached_k.clone().to(device), cached_v.clone().to(device)
+    out = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_cache, v_cache, k=k_new.to(device), v=v_new.to(device), rotary_cos=cos.float().to(device),
+        rotary_sin=sin.float().to(device), cache_seqlens=lens.to(device), causal=causal, rotary_interleaved=False)
+    base = lens.numpy()[:, None]
+    k_pos = base + np.arange(new)
+    q_pos = base + np.arange(seqlen_q) if causal else np.repeat(base, seqlen_q, axis=1)
+    q64 = rotate64(q.numpy(), cos.numpy(), sin.numpy(), q_pos, False)
+    k64_new = rotate64(k_new.numpy(), cos.numpy(), sin.numpy(), k_pos, False)
+    for b in range(batch):
+        n = int(lens[b])
+        keys = np.concatenate([cached_k[b, :n].double().numpy(), k64_new[b]])[None]
+        values = np.concatenate([cached_v[b, :n].double().numpy(), v_new[b].double().numpy()])[None]
+        ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=causal)
+        plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
+                                     torch.from_numpy(values).float(), causal=causal)
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        np.testing.assert_allclose(k_cache[b, n:n + new].cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_idx", [False, True])
+def test_rotary_with_cache_leftpad(device, batch_idx):
+    """Left-padded rows (pad slots NaN): positions stay the absolute cache slots, attention starts at the pad;
+    optionally through cache_batch_idx (a cache of more rows than the batch)."""
+    gen = torch.Generator().manual_seed(63)
+    batch, slots, new, headdim = 2, 12, 2, 16
+    pads, lens = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([5, 8], dtype=torch.int32)
+    rows = torch.tensor([2, 0], dtype=torch.int32) if batch_idx else torch.arange(batch, dtype=torch.int32)
+    angles = torch.rand(slots, headdim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    q = torch.randn(batch, new, 4, headdim, generator=gen)
+    k_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    v_new = torch.randn(batch, new, 2, headdim, generator=gen)
+    cached_k = torch.full((3, slots, 2, headdim), float("nan"))
+    cached_v = torch.full((3, slots, 2, headdim), float("nan"))
+    for b in range(batch):
+        r, lo, hi = int(rows[b]), int(pads[b]), int(lens[b])
+        cached_k[r, lo:hi] = torch.randn(hi - lo, 2, headdim, generator=gen)
+        cached_v[r, lo:hi] = torch.randn(hi - lo, 2, headdim, generator=gen)
+    k_cache, v_cache = cached_k.clone().to(device), cached_v.clone().to(device)
+    if not batch_idx:
+        k_cache, v_cache = k_cache[:batch], v_cache[:batch]
+    out = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_cache, v_cache, k=k_new.to(device), v=v_new.to(device), rotary_cos=cos.float().to(device),
+        rotary_sin=sin.float().to(device), cache_seqlens=lens.to(device), cache_leftpad=pads.to(device),
+        cache_batch_idx=rows.to(device) if batch_idx else None, causal=True)
+    pos = lens.numpy()[:, None] + np.arange(new)
+    q64 = rotate64(q.numpy(), cos.numpy(), sin.numpy(), pos, True)
+    k64_new = rotate64(k_new.numpy(), cos.numpy(), sin.numpy(), pos, True)
+    for b in range(batch):
+        r, lo, hi = int(rows[b]), int(pads[b]), int(lens[b])
+        keys = np.concatenate([cached_k[r, lo:hi].double().numpy(), k64_new[b]])[None]
+        values = np.concatenate([cached_v[r, lo:hi].double().numpy(), v_new[b].double().numpy()])[None]
+        ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=True)
+        plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
+                                     torch.from_numpy(values).float(), causal=True)
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        np.testing.assert_allclose(k_cache[r, hi:hi + new].cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
