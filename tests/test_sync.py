@@ -1,0 +1,204 @@
+"""No host-device synchronisation in any public function (issue #17), on the GPU.
+
+Each call runs once to compile and autotune, then again under
+``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising CUDA call
+(``.item()``, ``.cpu()``, ``.tolist()``, synchronous copies). The value checks of CUDA
+tensors are asynchronous device assertions (``tileattn.ops._validate``), so they run here too.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import tileattn
+
+@contextlib.contextmanager
+def sync_forbidden():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # a failed device assertion surfaces here
+
+
+def warm_then_forbid(fn):
+    """fn() once to compile and autotune, then again with synchronisation forbidden."""
+    fn()
+    with sync_forbidden():
+        return fn()
+
+
+def rand(*shape, gen, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_dense_forward_and_backward(dropout_p):
+    gen = torch.Generator(device="cuda").manual_seed(81)
+    q, k, v = (rand(2, 128, 8, 64, gen=gen).requires_grad_() for _ in range(3))
+
+    def step():
+        out = tileattn.flash_attn_func(q, k, v, causal=True, dropout_p=dropout_p)
+        out.backward(torch.ones_like(out))
+
+    warm_then_forbid(step)
+
+
+@pytest.mark.gpu
+def test_varlen_forward_and_backward():
+    gen = torch.Generator(device="cuda").manual_seed(82)
+    cu = torch.tensor([0, 50, 51, 170], dtype=torch.int32, device="cuda")
+    q, k, v = (rand(170, 8, 64, gen=gen).requires_grad_() for _ in range(3))
+
+    def step():
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 119, 119, causal=True)
+        out.backward(torch.ones_like(out))
+
+    warm_then_forbid(step)
+
+
+@pytest.mark.gpu
+def test_varlen_over_a_paged_pool():
+    gen = torch.Generator(device="cuda").manual_seed(83)
+    q = rand(7, 8, 64, gen=gen)
+    pool = rand(16, 16, 2, 64, gen=gen)
+    table = torch.randperm(16, device="cuda", generator=gen)[:8].view(2, 4).to(torch.int32)
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 40, 90], dtype=torch.int32, device="cuda")
+    warm_then_forbid(lambda: tileattn.flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 50, causal=True,
+                                                             block_table=table))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "leftpad", "batch_idx"])
+def test_with_kvcache(layout, append):
+    gen = torch.Generator(device="cuda").manual_seed(84)
+    batch = 3
+    q = rand(batch, 1, 32, 128, gen=gen)
+    k_new, v_new = (rand(batch, 1, 8, 128, gen=gen) for _ in range(2)) if append else (None, None)
+    lens = torch.tensor([1, 300, 700], dtype=torch.int32, device="cuda")
+    opts = dict(k=k_new, v=v_new, cache_seqlens=lens, causal=True)
+    if layout == "paged":
+        k_cache, v_cache = rand(200, 16, 8, 128, gen=gen), rand(200, 16, 8, 128, gen=gen)
+        opts["block_table"] = torch.randperm(200, device="cuda", generator=gen)[:3 * 50].view(3, 50).to(torch.int32)
+    else:
+        rows = batch + 2 if layout == "batch_idx" else batch
+        k_cache, v_cache = rand(rows, 1024, 8, 128, gen=gen), rand(rows, 1024, 8, 128, gen=gen)
+        if layout == "leftpad":
+            opts["cache_leftpad"] = torch.tensor([0, 10, 100], dtype=torch.int32, device="cuda")
+        if layout == "batch_idx":
+            opts["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    warm_then_forbid(lambda: tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, **opts))
+
+
+@pytest.mark.gpu
+def test_with_kvcache_rotary_append():
+    gen = torch.Generator(device="cuda").manual_seed(85)
+    q = rand(2, 2, 8, 64, gen=gen)
+    k_cache, v_cache = rand(2, 256, 2, 64, gen=gen), rand(2, 256, 2, 64, gen=gen)
+    k_new, v_new = rand(2, 2, 2, 64, gen=gen), rand(2, 2, 2, 64, gen=gen)
+    angles = torch.rand(300, 16, device="cuda", generator=gen)
+    lens = torch.tensor([5, 100], dtype=torch.int32, device="cuda")
+    warm_then_forbid(lambda: tileattn.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=angles.cos(), rotary_sin=angles.sin(), cache_seqlens=lens,
+        causal=True))
+
+
+@pytest.mark.gpu
+def test_with_a_paged_kv_cache_helper():
+    """A decoding step with PagedKVCache: its tensors (copied from pinned memory) and the call."""
+    gen = torch.Generator(device="cuda").manual_seed(86)
+    cache = tileattn.PagedKVCache(1, num_blocks=64, block_size=16, nheads_k=8, headdim=128, dtype=torch.bfloat16,
+                                  device="cuda")
+    ids = [cache.allocate() for _ in range(3)]
+    for seq_id, n in zip(ids, (5, 100, 300)):
+        cache.reserve([seq_id], n)
+        cache.advance([seq_id], n)
+    q, k_new = rand(3, 1, 32, 128, gen=gen), rand(3, 1, 8, 128, gen=gen)
+
+    def step():
+        cache.reserve(ids, 1)
+        table, lens = cache.block_table(ids), cache.seqlens(ids)
+        return tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], k=k_new, v=k_new,
+                                                cache_seqlens=lens, block_table=table, causal=True)
+
+    warm_then_forbid(step)
+
+
+@pytest.mark.gpu
+def test_merge_states():
+    gen = torch.Generator(device="cuda").manual_seed(87)
+    o_a, o_b = rand(2, 5, 4, 64, gen=gen), rand(2, 5, 4, 64, gen=gen)
+    lse_a, lse_b = (torch.randn(2, 4, 5, device="cuda", generator=gen) for _ in range(2))
+    warm_then_forbid(lambda: (tileattn.merge_states(o_a, lse_a, o_b, lse_b),
+                              tileattn.merge_many([o_a, o_b], [lse_a, lse_b])))
+
+
+@pytest.mark.gpu
+def test_debug_checks_name_the_problem(monkeypatch):
+    """With TILEATTN_DEBUG_CHECKS=1 the values are read on the host and a bad one gets its message."""
+    monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "1")
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
+    cache = torch.randn(2, 32, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(IndexError, match="cache_seqlens must be within 0..32"):
+        tileattn.flash_attn_with_kvcache(q, cache, cache,
+                                         cache_seqlens=torch.tensor([3, 40], dtype=torch.int32, device="cuda"))
+
+
+# ------------------------------------------------------------------ the device checks' logic, on the CPU
+
+
+@pytest.fixture
+def device_checks(monkeypatch):
+    """The asynchronous checks run on CPU tensors: torch._assert_async then raises at once."""
+    from tileattn.ops import _validate
+
+    monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
+
+
+@pytest.mark.parametrize("lens,pads,table,ok", [
+    ([3, 8], None, None, True),
+    ([3, 9], None, None, False),
+    ([-1, 2], None, None, False),
+    ([3, 6], [0, 6], None, True),
+    ([3, 6], [4, 0], None, False),
+    ([3, 6], [-1, 0], None, False),
+    ([2, 6], None, [[0, 9], [1, 2]], True),  # entry 9 lies past sequence 0's pages: never read
+    ([5, 6], None, [[0, 9], [1, 2]], False),
+    ([3, 6], None, [[0, 1], [2, -1]], False),
+])
+def test_device_checks_accept_and_refuse_what_the_host_checks_do(device_checks, lens, pads, table, ok):
+    lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, 1, 2, 16)
+    new = torch.randn(2, 2, 1, 16)
+    if table is None:
+        k_cache = torch.zeros(2, 10, 1, 16)
+        opts = dict(cache_leftpad=None if pads is None else torch.tensor(pads, dtype=torch.int32))
+    else:
+        k_cache = torch.zeros(4, 4, 1, 16)
+        opts = dict(block_table=torch.tensor(table, dtype=torch.int32))
+    call = lambda: tileattn.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k=new, v=new, cache_seqlens=lens,  # noqa: E731
+                                                    **opts)
+    if ok:
+        call()
+    else:
+        with pytest.raises(RuntimeError, match="tileattn: cache_seqlens"):
+            call()
+
+
+@pytest.mark.parametrize("cu_k,ok", [([0, 3, 8], True), ([0, 5, 3], False), ([1, 3, 8], False), ([0, 3, 7], False),
+                                     ([0, 1, 8], False)])
+def test_device_checks_of_cu_seqlens(device_checks, cu_k, ok):
+    q = torch.randn(8, 2, 16)
+    call = lambda: tileattn.flash_attn_varlen_func(  # noqa: E731
+        q, q, q, torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 5, 5)
+    if ok:
+        call()
+    else:
+        with pytest.raises(RuntimeError, match="tileattn: cu_seqlens_k"):
+            call()
