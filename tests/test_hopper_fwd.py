@@ -15,7 +15,7 @@ import torch
 
 from tileattn import reference
 from tileattn.gpu.hopper import hopper_attn_fwd, hopper_fwd_reason
-from tileattn.ops.backend import AttnParams
+from tileattn.contract import AttnParams
 
 from tolerance import assert_within, plain_attention
 

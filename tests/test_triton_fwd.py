@@ -218,15 +218,6 @@ def test_paged_cache_from_permuted_pool(page_size, seqlen_q, num_splits, dtype):
     _check_sequences(out, lse, q, k_seqs, v_seqs, causal=causal)
 
 
-def test_launcher_rejects_bad_options():
-    q = torch.randn(1, 4, 2, 32, device=DEVICE)
-    out, lse = _poisoned(q, 2, (1, 2, 4))
-    with pytest.raises(ValueError, match="num_splits"):
-        attn_fwd(q, q, q, out, lse, params=_params(32), num_splits=-1)
-    with pytest.raises(ValueError, match="seqused_k"):
-        attn_fwd(q, q, q, out, lse, params=_params(32), block_table=torch.zeros(1, 1, dtype=torch.int32))
-
-
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("page_size", [0, 7, 16, 64, 256])
 def test_decode_tile_fits_and_keeps_a_pipeline(block_m, page_size):

@@ -67,8 +67,7 @@ class _Batch:
         self.cu_k = None if cu_seqlens_k is None else cu_seqlens_k.tolist()
         self.used = None if seqused_k is None else seqused_k.tolist()
         self.table = None if block_table is None else block_table.to(torch.long)
-        if self.table is not None and self.used is None:
-            raise ValueError("a paged KV cache (block_table) needs seqused_k")
+        assert self.table is None or self.used is not None, "a paged KV cache (block_table) needs seqused_k"
 
     def groups(self):
         """Batch slices computed together: all at once when every sequence has the same
@@ -308,8 +307,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     states with ``tileattn.ops.merge.merge_many``; 0 means 1. ``block_m``, ``block_n`` and
     ``tile_elems`` size the tiles; any values give the same answer up to rounding.
     """
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+    assert num_splits >= 0, "inputs are validated by tileattn.ops"
     num_splits = max(1, num_splits)
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
@@ -388,8 +386,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_s
     accepted and changes nothing.
     """
     packed = cu_seqlens_q is not None
-    if packed != (cu_seqlens_k is not None):
-        raise ValueError("attn_bwd needs cu_seqlens_q and cu_seqlens_k together")
+    assert packed == (cu_seqlens_k is not None), "inputs are validated by tileattn.ops"
     nbatch = q.shape[0] if not packed else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, None, None)
     if packed:  # tokens outside every sequence get a zero gradient

@@ -145,15 +145,12 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
+    assert num_splits >= 0 and (seqused_k is not None or not paged), "inputs are validated by tileattn.ops"
     if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
                          num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
         hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-    if paged and seqused_k is None:
-        raise ValueError("a paged KV cache (block_table) needs seqused_k")
     if varlen:
         batch = cu_seqlens_q.shape[0] - 1
         _, nheads, head_dim = q.shape

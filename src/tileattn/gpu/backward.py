@@ -122,16 +122,12 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     the tile configuration (no autotuning), so they match across processes as well.
     """
     varlen = cu_seqlens_q is not None
-    if varlen != (cu_seqlens_k is not None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
-    if dout.stride(-1) != 1:
+    # validated by tileattn.ops (shapes, head dim, grid limits) and by its autograd (strides)
+    assert varlen == (cu_seqlens_k is not None) and q.shape[-1] <= 256
+    assert all(t.stride(-1) == 1 for t in (q, k, v, out, dq, dk, dv))
+    if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
     head_dim = q.shape[-1]
-    if head_dim > 256:
-        raise ValueError(f"head dimension {head_dim} > 256 is not supported")
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if varlen:
         batch = cu_seqlens_q.numel() - 1
@@ -140,8 +136,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse_strides = lse.stride()
-    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
-        raise ValueError(f"batch ({batch}) and nheads ({nheads}) must be at most {_MAX_GRID_YZ}")
+    assert batch <= _MAX_GRID_YZ and nheads <= _MAX_GRID_YZ
     if batch == 0 or seqlen_q == 0 and seqlen_k == 0:
         return
 

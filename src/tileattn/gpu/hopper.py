@@ -23,7 +23,7 @@ import torch
 import triton
 
 from ..kernels.common import LOG2E
-from ..ops.backend import AttnParams
+from ..contract import AttnParams
 from ._tuning import interpreting
 
 __all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "HOPPER_TILES"]
