@@ -219,3 +219,12 @@ def test_reference_and_fast_agree_in_float64_on_cpu(monkeypatch):
     ref, _ = R.attention_naive(q.numpy(), k.numpy(), v.numpy(), causal=True, window_size=(9, -1))
     assert np.abs(out.numpy() - ref).max() <= 1e-12 * np.abs(ref).max()
     assert as_f64(out).shape == ref.shape
+
+
+def test_backward_grid_limit_is_checked_before_the_forward():
+    """Batch past 65535 (an axis of the backward's grid) is refused up front when a gradient may be
+    asked for; without one the forward runs."""
+    q = torch.randn(65536, 1, 1, 8)
+    with pytest.raises(ValueError, match="batch 65536"):
+        tileattn.flash_attn_func(q.clone().requires_grad_(), q, q)
+    assert tileattn.flash_attn_func(q, q, q).shape == q.shape

@@ -35,7 +35,7 @@ from ..contract import AttnParams
 from .backend import backend_name
 
 MAX_HEADDIM = 256
-MAX_GRID = 65535  # batch and heads are grid dimensions of the Triton kernels
+MAX_GRID = 65535  # batch and heads are grid axes of the Triton backward
 DEBUG_ENV = "TILEATTN_DEBUG_CHECKS"
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -170,13 +170,15 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
         fail(ValueError, f"q, k, v must share headdim, got q {headdim} and k/v {k.shape[-1]}")
     if not 1 <= headdim <= MAX_HEADDIM:
         fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
-    if nheads > MAX_GRID:
-        fail(ValueError, f"nheads ({nheads}) must be at most {MAX_GRID}")
 
 
-def check_batch(batch: int) -> None:
-    if batch > MAX_GRID:
-        fail(ValueError, f"batch ({batch}) must be at most {MAX_GRID}")
+def check_grid(batch: int, q, k, v) -> None:
+    """The backward's grid has batch and heads on axes of at most 65535: checked when a
+    gradient may be asked for (the forward's grid has no such limit)."""
+    if (batch > MAX_GRID or q.shape[-2] > MAX_GRID) and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        fail(ValueError, f"the backward handles batch and nheads up to {MAX_GRID}, got batch {batch} and nheads "
+                         f"{q.shape[-2]}")
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -224,7 +226,6 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, q) -> int:
                          f"{batch + 1} (a batch of {batch}), cu_seqlens_k has {cu_seqlens_k.shape[0]}")
     check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device)
     check_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device)
-    check_batch(batch)
     return batch
 
 

@@ -35,6 +35,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     paged = block_table is not None
     V.check_qkv(q, k, v, packed=True, cache=paged)
     batch = V.check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    V.check_grid(batch, q, k, v)
     max_seqlen_q = V.integer("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = V.integer("max_seqlen_k", max_seqlen_k, 0)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
