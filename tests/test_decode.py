@@ -292,3 +292,29 @@ def test_cache_batch_idx_reads_and_appends_the_named_rows(device):
     with pytest.raises(IndexError, match="cache_batch_idx"):
         tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                          cache_batch_idx=torch.tensor([3, 5], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "batch_idx"])
+def test_append_on_the_host_equals_the_device_indexing(monkeypatch, layout):
+    """CPU tensors of a small batch are appended slice by slice; the index_put path (CUDA, large
+    batches) must write the same slots."""
+    from tileattn.ops import kvcache
+
+    gen = torch.Generator().manual_seed(30)
+    lens = torch.tensor([0, 3, 6], dtype=torch.int32)
+    k, v = torch.randn(3, 3, 2, 8, generator=gen), torch.randn(3, 3, 2, 8, generator=gen)
+    if layout == "paged":
+        table = torch.randperm(12, generator=gen)[:9].view(3, 3).to(torch.int32)
+        shape = (12, 4, 2, 8)
+    else:
+        table = torch.tensor([[4], [0], [2]], dtype=torch.int32) if layout == "batch_idx" else None
+        shape = (5 if table is not None else 3, 9, 2, 8)
+    caches = []
+    for limit in (16, 0):
+        monkeypatch.setattr(kvcache, "_HOST_APPEND_MAX_BATCH", limit)
+        kc, vc = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+        kvcache.append_to_cache(kc, vc, k, v, lens, table)
+        caches.append((kc, vc))
+    for a, b in zip(*caches):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert (~caches[0][0].isnan()).sum() == k.numel()

@@ -71,9 +71,9 @@ def integer(name: str, value, minimum: int | None = None) -> int:
 def window(window_size) -> tuple[int, int]:
     """(left, right) from any pair of integer-likes: tuple, list, tensor or numpy array of 2."""
     if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
-            and type(window_size[1]) is int:
-        entries = window_size
-    elif isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 and len(window_size) == 2:
+            and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
+        return window_size  # the usual case, (-1, -1) or a window of ints, without the general path
+    if isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 and len(window_size) == 2:
         if window_size.dtype in (torch.bool, np.bool_) or not (
                 (isinstance(window_size, torch.Tensor) and not window_size.is_floating_point()
                  and not window_size.is_complex())
@@ -99,7 +99,8 @@ def check_flags(**flags) -> None:
 
 
 def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor))
+    return type(value) is float or type(value) is int or (
+        isinstance(value, numbers.Real) and not isinstance(value, (bool, torch.Tensor)))
 
 
 def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed=0) -> AttnParams:
@@ -145,10 +146,11 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
         fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         fail(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        backend_name(q.device)  # raises: unsupported device
     if q.dtype not in _LOW_PRECISION and not (q.dtype == torch.float64 and backend_name(q.device) == "cpu"):
         allowed = _LOW_PRECISION + ((torch.float64,) if backend_name(q.device) == "cpu" else ())
         fail(TypeError, f"dtype {q.dtype} is not supported here: use one of {', '.join(map(str, allowed))}")
-    backend_name(q.device)  # raises for unsupported devices
     want = 3 if packed else 4
     if q.dim() != want:
         fail(ValueError, f"q must be {want}-D {'(total_tokens' if packed else '(batch, seqlen'}, nheads, headdim), "
@@ -389,18 +391,18 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
                                rotary_reach, table_name, leftpad, lengths_name)
     if mode != "host":
         return
-    # The one device-to-host copy (when debugging CUDA tensors), then a few numpy reductions.
-    lengths = seqlens.cpu().numpy().astype(np.int64)
+    # One device-to-host copy each (when debugging CUDA tensors): lengths as a list (the
+    # quickest for the usual small batch), the block table as an array.
+    lengths = seqlens.tolist()
     if leftpad is not None:
-        pads = leftpad.cpu().numpy()
-        if (pads < 0).any() or (pads > lengths).any():
+        pads = leftpad.tolist()
+        if any(not 0 <= p <= n for p, n in zip(pads, lengths)):
             fail(IndexError, f"cache_leftpad must lie within 0..cache_seqlens of each sequence, found "
-                             f"{pads.tolist()} for lengths {lengths.tolist()}")
-    _check_extent(int(lengths.min()), int(lengths.max()), new_tokens, capacity, rotary_len, rotary_reach,
-                  lengths_name)
+                             f"{pads} for lengths {lengths}")
+    _check_extent(min(lengths), max(lengths), new_tokens, capacity, rotary_len, rotary_reach, lengths_name)
     if block_table is not None and block_table.numel() > 0:
         entries = block_table.cpu().numpy()
-        pages = (lengths + new_tokens + block_size - 1) // block_size  # (batch,) pages each sequence's keys occupy
+        pages = (np.array(lengths) + new_tokens + block_size - 1) // block_size  # pages each sequence's keys occupy
         in_use = entries[np.arange(entries.shape[1])[None, :] < pages[:, None]]
         if in_use.size and (in_use.min() < 0 or in_use.max() >= num_blocks):
             fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "

@@ -37,10 +37,15 @@ def backend_name(device: torch.device) -> str:
 
 def backend_for(device: torch.device):
     """The module (``tileattn.gpu`` or ``tileattn.cpu``) implementing attn_fwd / attn_bwd."""
-    if backend_name(device) == "triton":
-        from .. import gpu
+    name = backend_name(device)
+    module = _MODULES.get(name)
+    if module is None:  # imported on first use: the CPU path never loads Triton
+        if name == "triton":
+            from .. import gpu as module
+        else:
+            from .. import cpu as module
+        _MODULES[name] = module
+    return module
 
-        return gpu
-    from .. import cpu
 
-    return cpu
+_MODULES: dict = {}

@@ -149,9 +149,15 @@ def _rotate(q, k, cos, sin, cache_seqlens, interleaved: bool, per_token_q: bool)
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
     """Write k, v (batch, seqlen_new, nheads_k, headdim) into the cache at cache_seqlens, in place.
 
-    Pure tensor indexing on the device (no host synchronisation), contiguous or paged.
+    On the device: index_put with the positions computed there (no host synchronisation),
+    contiguous or paged. CPU tensors of a small batch are copied slice by slice instead,
+    which skips advanced indexing's per-call cost (reading their lengths costs nothing).
     """
     batch, seqlen_new = k.shape[0], k.shape[1]
+    if k.device.type == "cpu" and batch <= _HOST_APPEND_MAX_BATCH:
+        _append_on_host(k_cache, v_cache, k, v, cache_seqlens.tolist(),
+                        None if block_table is None else block_table.tolist())
+        return
     pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)  # (batch, seqlen_new)
     if block_table is None:
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
@@ -163,3 +169,21 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> 
         slots = pos % block_size
         k_cache[blocks, slots] = k
         v_cache[blocks, slots] = v
+
+
+_HOST_APPEND_MAX_BATCH = 16
+
+
+def _append_on_host(k_cache, v_cache, k, v, lengths: list[int], table: list[list[int]] | None) -> None:
+    """``append_to_cache`` as slice copies: a sequence's new tokens go page by page (a contiguous
+    cache row is one page of seqlen_cache slots)."""
+    page = k_cache.shape[1]
+    for b, start in enumerate(lengths):
+        j = 0
+        while j < k.shape[1]:
+            pos = start + j
+            row = b if table is None else table[b][pos // page]
+            n = min(page - pos % page, k.shape[1] - j)
+            k_cache[row, pos % page:pos % page + n] = k[b, j:j + n]
+            v_cache[row, pos % page:pos % page + n] = v[b, j:j + n]
+            j += n
