@@ -127,7 +127,7 @@ def _heads_first(x, acc, scale=1.0):
 class _Tiles:
     """Per-call constants and the score tile of (query block, key tile) for a group."""
 
-    def __init__(self, params: AttnParams, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems):
+    def __init__(self, params: AttnParams, Sq, Sk, H, Hk, pairs, slopes, b0, acc, block_m, block_n, tile_elems):
         if block_m < 1 or block_n < 1:
             raise ValueError(f"tile sizes must be >= 1, got block_m={block_m}, block_n={block_n}")
         self.p = params
@@ -141,7 +141,9 @@ class _Tiles:
         self.neg_slopes = None if slopes is None else (-LOG2E * slopes.to(acc)).reshape(-1, self.G)  # [B * Hk, G]
         self.b0 = b0
         self.bm, self.bn = max(1, min(block_m, Sq)), max(1, min(block_n, Sk))
-        self.chunk = max(1, tile_elems // (self.G * self.bm * self.bn))
+        # (batch x key head) pairs per tile: no more than there are, so a small problem gets
+        # small buffers (an allocation of tile_elems per call costs more than its arithmetic)
+        self.chunk = max(1, min(tile_elems // (self.G * self.bm * self.bn), pairs))
         self._bufs = {}
 
     def buffer(self, name, shape):
@@ -183,13 +185,16 @@ class _Tiles:
             else:
                 s.tanh_().mul_(self.cap * LOG2E)
         # s4 [c, G, mr, n] and tile-shaped masks [mr, n] are views of s in either layout
+        masked = self.needs_mask(i0, i1, j0, j1)
+        if self.neg_slopes is None and not masked:
+            return s, th
         s4 = s.view(c, n, self.G, i1 - i0).permute(0, 2, 3, 1) if keys_first else s.view(c, self.G, i1 - i0, n)
         rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
         cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
         if self.neg_slopes is not None:
             slopes = self.neg_slopes[t0:t0 + c].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
             s4.addcmul_(slopes, (rows - cols).abs())
-        if self.needs_mask(i0, i1, j0, j1):
+        if masked:
             left, right = self.p.window_left, self.p.window_right
             hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)  # [mr, n]
             if right >= 0:
@@ -237,7 +242,7 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
         s, _ = T.scores(q_t, kc[t0:t1, j0:j1], t0, i0, i1, j0, j1)  # [c, G*mr, n]
         m_tile = s.amax(dim=-1)  # [c, G*mr]
         m_new = m_tile if m is None else torch.maximum(m, m_tile)
-        m_use = m_new.masked_fill(m_new.isneginf(), 0.0)  # the fully-masked guard
+        m_use = m_new.clamp(min=torch.finfo(T.acc).min)  # the fully-masked guard: a finite shift
         p = s.sub_(m_use.unsqueeze(-1)).exp2_()
         l_tile = p.sum(dim=-1)  # the softmax's denominator ignores dropout
         if T.p.dropout_p > 0:
@@ -251,10 +256,10 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
         m = m_new
     if o is None:
         return None
-    empty = l == 0
-    inv = torch.where(empty, 0.0, 1.0 / l)
-    lse = torch.where(empty, float("-inf"), m * LN2 + l.log())
-    return o.mul_(inv.unsqueeze(-1)), lse
+    # A row that saw no key has l = 0, o = 0 and m = -inf: o / max(l, tiny) = 0, and
+    # ln(2) m + log l = -inf (a row with a finite m has l >= 1, its largest term).
+    lse = l.log().add_(m, alpha=LN2)
+    return o.div_(l.clamp_(min=torch.finfo(T.acc).tiny).unsqueeze(-1)), lse
 
 
 def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, block_n, tile_elems):
@@ -268,8 +273,11 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, 
         lse3.fill_(float("-inf"))
         return
     acc = _acc_dtype(q4.dtype)
-    T = _Tiles(params, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems)
+    T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
+    if num_splits == 1 and T.chunk == B * Hk and T.bm == Sq and T.bn == Sk:
+        _fwd_one_tile(T, qc, k4, v4, out4, lse3)
+        return
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc)
     lse_buf = torch.full((B * H, Sq), float("-inf"), dtype=acc)
@@ -295,6 +303,19 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, 
             _scatter_q(lse_buf, lse.reshape(t1 - t0, -1), t0, t1, T.G, i0, i1)
     out4.copy_(o_buf.view(B, H, Sq, Dv).transpose(1, 2))
     lse3.copy_(lse_buf.view(B, H, Sq))
+
+
+def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3):
+    """``_fwd_group`` when the whole problem is one tile (small problems: decoding, short
+    prefills): the same recurrence, one step of it, without the staging buffers the general
+    loop needs (tile-sized copies, gathers and scatters cost more than the arithmetic here)."""
+    B, Sq, H, _ = out4.shape
+    Hk, Dv = k4.shape[2], v4.shape[-1]
+    kc = k4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, k4.shape[-1])  # [B*Hk, Sk, D]
+    vc = v4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, Dv)
+    o, lse = _fwd_range(T, qc.view(B * Hk, T.G * Sq, -1), kc, vc, 0, 0, Sq, 0, T.Sk)  # [B*Hk, G*Sq, ...]
+    out4.view(B, Sq, Hk, T.G, Dv).copy_(o.view(B, Hk, T.G, Sq, Dv).permute(0, 3, 1, 2, 4))
+    lse3.copy_(lse.view(B, H, Sq))
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
@@ -330,7 +351,7 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
         dv4.zero_()
         return
     acc = _acc_dtype(q4.dtype)
-    T = _Tiles(params, Sq, Sk, H, Hk, slopes, b0, acc, block_m, block_n, tile_elems)
+    T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     doc = _heads_first(do4, acc)  # [B*H, Sq, Dv]
