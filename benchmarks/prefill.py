@@ -140,7 +140,7 @@ def forward_path(q, k, v, causal: bool) -> str:
     if not q.is_cuda:
         return "cpu"
     from tileattn.gpu.hopper import hopper_fwd_reason
-    from tileattn.ops.backend import AttnParams
+    from tileattn.contract import AttnParams
 
     params = AttnParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
     why = hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
