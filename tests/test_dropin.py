@@ -210,3 +210,9 @@ def test_cu_seqlens_batch_mismatch_names_both():
     q = torch.randn(6, 2, 16)
     with pytest.raises(ValueError, match="cu_seqlens_q has 3 .*cu_seqlens_k has 4"):
         tileattn.flash_attn_varlen_func(q, q, q, cu([3, 3]), cu([2, 2, 2]), 3, 3)
+
+
+def test_a_cache_strided_in_its_last_dimension_is_refused():
+    cache = torch.randn(2, 8, 16, 2).transpose(-1, -2)  # (2, 8, 2, 16) with stride 2 on headdim
+    with pytest.raises(ValueError, match="contiguous in their last dimension"):
+        tileattn.flash_attn_with_kvcache(torch.randn(2, 1, 2, 16), cache, cache)

@@ -165,6 +165,9 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
     if k.shape != v.shape:
         fail(ValueError, f"k and v{' caches' if cache else ''} must have one shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
+    if cache and not packed and (k.stride(-1) != 1 or v.stride(-1) != 1):
+        fail(ValueError, "k_cache and v_cache must be contiguous in their last dimension (they are written in "
+                         "place, so tileattn cannot use a copy; flash-attn asks the same)")
     nheads, nheads_k, headdim = q.shape[-2], k.shape[-2], q.shape[-1]
     if nheads_k == 0 or nheads % nheads_k:
         fail(ValueError, f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k})")
