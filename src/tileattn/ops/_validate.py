@@ -375,7 +375,8 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     keys start at) must lie within 0 .. its length. With rotary tables of ``rotary_len``
     positions, every rotated position (up to length + ``rotary_reach`` - 1) must have a row.
     """
-    if seqlens.numel() == 0:
+    mode = value_mode(seqlens)
+    if mode is None or seqlens.numel() == 0:
         return
     facts = _cache_facts(seqlens, block_table, block_size)
     if facts is not None:  # PagedKVCache's own tensors: the host knows every value
@@ -388,7 +389,6 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
             fail(IndexError, f"block_table entries in use must index the cache's {num_blocks} blocks, found "
                              f"0..{top_block}")
         return
-    mode = value_mode(seqlens)
     if mode == "device":
         _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
                                rotary_reach, table_name, leftpad, lengths_name)
