@@ -74,3 +74,11 @@ def test_generate_benchmark_gives_sdpa_tokens(tmp_path):
     rows = run_smoke("generate.py", tmp_path, env={"TILEATTN_BACKEND": "cpu"}, extra=("--modes", "eager"))
     tile = [r for r in rows if r["impl"] == "tileattn" and r["mode"] == "eager"]
     assert tile and tile[0]["same_tokens"] == "100%" and float(tile[0]["tokens_per_s"]) > 0
+
+
+def test_cpu_overhead_script_runs():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "overhead_cpu.py"), "--calls", "3", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("decode", "prefill", "varlen"))]
+    assert len(rows) == 4 and all(float(row.split()[-1]) > 0 for row in rows), proc.stdout

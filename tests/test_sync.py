@@ -202,3 +202,29 @@ def test_device_checks_of_cu_seqlens(device_checks, cu_k, ok):
     else:
         with pytest.raises(RuntimeError, match="tileattn: cu_seqlens_k"):
             call()
+
+
+@pytest.mark.gpu
+def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion():
+    """In a fresh process (a failed device assertion ends the CUDA context): cache_seqlens past the
+    capacity, no synchronisation in the call, the failure at the next synchronisation."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, tileattn\n"
+        "q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+        "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+        "lens = torch.tensor([3, 40], dtype=torch.int32, device='cuda')\n"
+        "torch.cuda.set_sync_debug_mode('error')\n"
+        "tileattn.flash_attn_with_kvcache(q, c, c, cache_seqlens=lens)\n"
+        "torch.cuda.set_sync_debug_mode('default')\n"
+        "print('CALL RETURNED', flush=True)\n"
+        "torch.cuda.synchronize()\n"
+        "print('NOT REPORTED', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TILEATTN_DEBUG_CHECKS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "CALL RETURNED" in done.stdout and "NOT REPORTED" not in done.stdout, done.stdout + done.stderr
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]

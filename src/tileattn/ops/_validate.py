@@ -317,7 +317,12 @@ def value_mode(t: torch.Tensor) -> str | None:
 
 
 def _assert_on_device(ok: torch.Tensor, what: str) -> None:
-    torch._assert_async(ok, f"tileattn: {what} (rerun with {DEBUG_ENV}=1 for the exact check)")
+    """One asynchronous assertion; the message shows where the check runs synchronously (CPU
+    tensors), a CUDA device reports only that an assertion failed."""
+    if ok.is_cuda:
+        torch._assert_async(ok)
+    else:
+        torch._assert_async(ok, f"tileattn: {what} (rerun with {DEBUG_ENV}=1 for the exact check)")
 
 
 def _within(x: torch.Tensor, lo, hi) -> torch.Tensor:

@@ -27,11 +27,15 @@ A decoding step with it::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ._validate import vouch
 
 __all__ = ["PagedKVCache"]
+
+_CACHES = itertools.count()
 
 
 class PagedKVCache:
@@ -51,6 +55,7 @@ class PagedKVCache:
         self._lengths: dict[int, int] = {}
         self._next_id = 0
         self._epoch = 0  # counts changes of lengths and block lists: vouched-for tensors name the state
+        self._uid = next(_CACHES)  # unlike id(), never reused by a later cache
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +174,7 @@ class PagedKVCache:
 
     def _state(self, ids: list[int]) -> tuple:
         """What a vouched-for tensor's values depend on: this cache, its state, the sequences, the block size."""
-        return (id(self), self._epoch, tuple(ids), self.block_size)
+        return (self._uid, self._epoch, tuple(ids), self.block_size)
 
     def _ids(self, seq_ids) -> list[int]:
         ids = list(seq_ids)
