@@ -33,9 +33,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
-from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.kernels import attn_fwd_hopper  # noqa: E402
 
