@@ -1,12 +1,16 @@
-"""Shared test setup: Triton's interpreter on machines without a GPU, the gpu marker."""
+"""Shared test setup: Triton's interpreter on machines without a GPU, the gpu marker, and
+every workspace the library allocates poisoned with NaN."""
 
 import os
+import sys
 
 # Two pytest-xdist workers share two cores: one BLAS thread each (set before numpy loads),
 # or the many small tile products of the reference oversubscribe the machine.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import functools  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -43,3 +47,43 @@ def device(request, monkeypatch):
         return "cuda"
     monkeypatch.setenv("TILEATTN_BACKEND", request.param)
     return "cpu"
+
+
+# ------------------------------------------------------------------ poisoned allocations
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with what no kernel could mistake for a result: NaN for floating point, the
+    largest value of an integer dtype (an index far out of range), True for bool."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _poisoning(allocate):
+    """``allocate`` (torch.empty and kin), poisoning what tileattn's own code allocates: a kernel
+    that reads memory it never wrote then gives NaN (or an index out of range) and its test fails.
+    Allocations by the tests, torch or other libraries are left as they are; so is what
+    torch.compile traces (the fake tensors of a traced graph carry no values)."""
+
+    @functools.wraps(allocate)
+    def poisoned(*args, **kwargs):
+        t = allocate(*args, **kwargs)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.split(".")[0] == "tileattn" and not torch.compiler.is_compiling() and t.numel():
+            with torch.no_grad():
+                poison_(t)
+        return t
+
+    return poisoned
+
+
+@pytest.fixture(autouse=True)
+def poison_library_allocations(monkeypatch):
+    """Every test (interpreter, GPU and CPU-path alike) runs with the library's torch.empty,
+    torch.empty_like, torch.empty_strided and Tensor.new_empty returning poisoned memory."""
+    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"),
+                        (torch.Tensor, "new_empty")):
+        monkeypatch.setattr(owner, name, _poisoning(getattr(owner, name)))
