@@ -30,6 +30,7 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -213,16 +214,58 @@ def check(model: TinyDecoder, req: dict) -> float:
     return float((logits.max(-1).values - logits.gather(-1, chosen[:, None])[:, 0]).max())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--requests", type=int, default=6)
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--max-new", type=int, default=32, help="the longest answer; others are shorter")
-    parser.add_argument("--block-size", type=int, default=16)
+class Parser(argparse.ArgumentParser):
+    """Refusals in one line on stderr (exit status 2) instead of usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def a_device(text: str) -> torch.device:
+    """An argparse type: "cpu", or "cuda" / "cuda:N" where that GPU exists."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available here (torch {torch.__version__}); "
+                                         "use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
+    parser.add_argument("--device", type=a_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu (fp32) or cuda (bf16); default: cuda when a GPU is present, else cpu")
+    parser.add_argument("--requests", type=at_least_one, default=6, help="prompts to serve (default 6)")
+    parser.add_argument("--slots", type=at_least_one, default=4,
+                        help="requests decoded at once, the batch of each decoding step (default 4)")
+    parser.add_argument("--max-new", type=at_least_one, default=32,
+                        help="new tokens of the longest answer; the others are shorter, at least 2 (default 32)")
+    parser.add_argument("--block-size", type=at_least_one, default=16,
+                        help="tokens per block of the paged KV cache (default 16)")
     parser.add_argument("--no-graph", action="store_true", help="on CUDA, decode without a CUDA graph")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = TinyDecoder(Config()).to(device=device, dtype=dtype)

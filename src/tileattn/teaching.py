@@ -2,18 +2,20 @@
 printed by ``tileattn.cli``.
 
 * :func:`agreement` — the float64 algorithms of ``tileattn.reference`` against each other.
-* :func:`peak_extra_bytes` / :func:`memory_table` — peak intermediate memory, measured with
-  ``tracemalloc`` (NumPy reports its buffers to it), inputs and outputs excluded.
+* :func:`peak_extra_bytes` / :func:`memory_row` — peak intermediate memory, measured with
+  ``tracemalloc`` (NumPy reports its buffers to it), inputs and outputs excluded;
+  :func:`naive_bytes_per_score` and :func:`available_memory` decide beforehand whether a naive
+  case fits.
 * :func:`masked_tile` — the NaN of the unguarded recurrence when a row's first key tile is masked.
 * :func:`trace_online_softmax` — the recurrence on one query row, tile by tile.
-* :func:`public_api_agreement` / :func:`bench` — ``tileattn.flash_attn_func`` against the reference
-  and against torch.
+* :func:`public_api_agreement` — ``tileattn.flash_attn_func`` against the reference;
+  :func:`bench_cases` / :func:`time_calls` — against torch, timed.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
+import os
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -115,22 +117,42 @@ def peak_extra_bytes(fn, *args, **kwargs) -> int:
 @dataclass
 class MemoryRow:
     seqlen: int
-    naive_bytes: int  # measured peak intermediates of attention_naive
+    naive_bytes: int | None  # measured peak intermediates of attention_naive (None: not run)
     flash_bytes: int  # measured peak intermediates of attention_tiled
     scores_bytes: int  # one float64 N x N score matrix, for scale
     tile_bytes: int  # one float64 block x block score tile, for scale
 
 
-def memory_table(sizes=(512, 2048, 8192), headdim: int = 64, block: int = 128, seed: int = 0):
-    """Measured peak intermediate memory of naive and tiled attention, one head, N queries and keys."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for n in sizes:
-        q, k, v = random_qkv(rng, 1, n, n, 1, 1, headdim)
-        naive = peak_extra_bytes(ref.attention_naive, q, k, v)
-        flash = peak_extra_bytes(ref.attention_tiled, q, k, v, block_m=block, block_n=block)
-        rows.append(MemoryRow(n, naive, flash, n * n * 8, block * block * 8))
-    return rows
+def memory_row(n: int, headdim: int = 64, block: int = 128, seed: int = 0, naive: bool = True) -> MemoryRow:
+    """Measured peak intermediate memory of naive (unless ``naive`` is False) and tiled attention,
+    one head, ``n`` queries and keys."""
+    q, k, v = random_qkv(np.random.default_rng(seed), 1, n, n, 1, 1, headdim)
+    naive_bytes = peak_extra_bytes(ref.attention_naive, q, k, v) if naive else None
+    flash = peak_extra_bytes(ref.attention_tiled, q, k, v, block_m=block, block_n=block)
+    return MemoryRow(n, naive_bytes, flash, n * n * 8, block * block * 8)
+
+
+def naive_bytes_per_score(headdim: int = 64, seqlen: int = 256) -> float:
+    """Peak intermediate bytes of attention_naive per entry of the N x N score matrix, measured at
+    N = ``seqlen`` (about 4 float64 N x N arrays live at once: 32 bytes); times N^2, it
+    estimates a larger N before running it."""
+    return memory_row(seqlen, headdim, block=seqlen).naive_bytes / seqlen**2
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable; elsewhere the free
+    physical pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 # ----------------------------------------------------------- (c) the fully-masked tile
@@ -247,32 +269,29 @@ def public_api_agreement(seed: int = 0):
 # --------------------------------------------------------------------------- bench
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call."""
-    fn()
+def time_calls(fn, repeats: int, warmup: int = 2) -> list[float]:
+    """Wall times in seconds of ``repeats`` calls of ``fn``, after ``warmup`` untimed calls (the
+    first call pays for lazy initialisation, thread pools and caches warming up)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def bench(sizes=(1024, 2048), repeats: int = 3, nheads: int = 8, headdim: int = 64, seed: int = 0):
-    """Rows ``(N, {name: seconds})`` for (1, nheads, N, headdim) fp32 on the CPU: tileattn.flash_attn_func,
-    torch SDPA, and naive softmax(q k^T) v. FLOPs: 4 N^2 nheads headdim."""
+def bench_cases(n: int, nheads: int = 8, headdim: int = 64, seed: int = 0):
+    """``{name: fn}`` computing attention of (1, nheads, n, headdim) fp32 on the CPU three ways:
+    tileattn.flash_attn_func, torch SDPA, and naive softmax(q k^T) v. FLOPs: 4 n^2 nheads headdim."""
     torch.manual_seed(seed)
-    rows = []
-    for n in sizes:
-        q, k, v = (torch.randn(1, n, nheads, headdim) for _ in range(3))  # (B, S, H, D)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
-        with torch.no_grad():
-            times = {
-                "tileattn": median_seconds(lambda: flash_attn_func(q, k, v), repeats),
-                "torch SDPA": median_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
-                                             repeats),
-                "naive torch": median_seconds(lambda: torch.softmax(qt @ kt.transpose(-1, -2) * headdim**-0.5, -1) @ vt,
-                                              repeats),
-            }
-        rows.append((n, times))
-    return rows
+    q, k, v = (torch.randn(1, n, nheads, headdim) for _ in range(3))  # (B, S, H, D)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
+
+    fns = {
+        "tileattn": lambda: flash_attn_func(q, k, v),
+        "torch SDPA": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
+        "naive torch": lambda: torch.softmax(qt @ kt.transpose(-1, -2) * headdim**-0.5, -1) @ vt,
+    }
+    return {name: torch.no_grad()(fn) for name, fn in fns.items()}

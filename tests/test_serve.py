@@ -1,0 +1,76 @@
+"""examples/serve.py as a newcomer runs it: a short CPU run that checks its own answers, help
+for every option, and a one-line refusal (exit status 2) for each bad argument."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SERVE = Path(__file__).resolve().parents[1] / "examples" / "serve.py"
+
+
+@pytest.fixture(scope="module")
+def serve():
+    spec = importlib.util.spec_from_file_location("serve_example", SERVE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_a_short_cpu_run_serves_every_request_and_checks_out(serve, capsys):
+    serve.main(["--device", "cpu", "--requests", "3", "--slots", "2", "--max-new", "4", "--block-size", "5"])
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^  request \d+: prompt", out, re.M)) == 3, out
+    free, total = map(int, re.search(r"blocks free after serving: (\d+) of (\d+) \(1 scratch\)", out).groups())
+    assert free == total - 1, out  # every request gave its blocks back; the scratch block stays
+    gap = float(re.search(r"largest logit gap of a greedy token (\S+)", out).group(1))
+    assert gap <= 1e-4, out
+
+
+def test_every_option_has_help(serve):
+    actions = [a for a in serve.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
+    assert actions and all(a.help and a.help != argparse.SUPPRESS for a in actions), \
+        [a.dest for a in actions if not a.help]
+
+
+BAD = [
+    (["--slots", "0"], "argument --slots: must be >= 1 (got 0)"),
+    (["--requests", "0"], "argument --requests: must be >= 1 (got 0)"),
+    (["--block-size", "0"], "argument --block-size: must be >= 1 (got 0)"),
+    (["--max-new", "-3"], "argument --max-new: must be >= 1 (got -3)"),
+    (["--slots", "two"], "argument --slots: 'two' is not an integer"),
+    (["--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu or cuda"),
+    (["--device", "meta"], "argument --device: 'meta': use cpu or cuda"),
+    (["--device", "cuda:99"], "argument --device: 'cuda:99': "),
+]
+if not torch.cuda.is_available():
+    BAD.append((["--device", "cuda"], "argument --device: 'cuda': no CUDA GPU is available here"))
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(argv) for argv, _ in BAD])
+def test_bad_argument_is_refused_in_one_line(serve, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert err.startswith("serve.py: error: "), err
+
+
+def test_bad_argument_from_the_command_line():
+    """As typed in a shell: the process exits with status 2 and one line, before any serving starts."""
+    proc = subprocess.run([sys.executable, str(SERVE), "--slots", "0"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "serve.py: error: argument --slots: must be >= 1 (got 0) (see serve.py --help)\n"
