@@ -13,8 +13,8 @@ note column says so). Every output is compared with an fp32 reference (``err``).
 
 With ``--l2 read`` every implementation is timed with the L2 cleared by a read instead of
 do_bench's write of zeros (``common.bench``): the dirty lines the write leaves cost a
-kernel that reads less than the L2 holds an extra write-back. The default is do_bench's, as
-in ANCHORS.md.
+kernel that reads less than the L2 holds an extra write-back. The default is do_bench's, the
+timing of the anchors in docs/benchmarks.md.
 
     python benchmarks/decode.py [--quick] [--out DIR] [--dry-run] [--smoke] [--l2 zero|read]
 """

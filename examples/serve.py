@@ -302,7 +302,8 @@ def main(argv=None) -> None:
     print(f"device {device}, {dtype}, {args.requests} requests over {args.slots} slots, "
           f"CUDA graph: {'yes' if use_graph else 'no'}")
     for r in sorted(finished, key=lambda r: r["id"]):
-        print(f"  request {r['id']}: prompt {len(r['prompt']):3d} tokens -> {len(r['out']):3d} new: {r['out'][:8]} ...")
+        first = " ".join(map(str, r["out"][:6]))
+        print(f"  request {r['id']}: {len(r['prompt']):3d} prompt -> {len(r['out']):3d} new tokens: {first} ...")
     print(f"prefill: {prefill_tokens} tokens, {prefill_tokens / prefill_s:,.0f} tokens/s")
     print(f"decode:  {decode_tokens} tokens, {decode_tokens / decode_s:,.0f} tokens/s")
     print(f"blocks free after serving: {server.cache.free_blocks} of {blocks_needed} (1 scratch)")

@@ -71,8 +71,9 @@ def _poisoning(allocate):
     @functools.wraps(allocate)
     def poisoned(*args, **kwargs):
         t = allocate(*args, **kwargs)
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.split(".")[0] == "tileattn" and not torch.compiler.is_compiling() and t.numel():
+        if torch.compiler.is_compiling() or not t.numel():  # first: dynamo cannot trace sys._getframe
+            return t
+        if sys._getframe(1).f_globals.get("__name__", "").split(".")[0] == "tileattn":
             with torch.no_grad():
                 poison_(t)
         return t

@@ -2,7 +2,7 @@
 the NaN of an unguarded fully-masked tile, the merge of states, paged and packed layouts, the
 gradient against finite differences and the dropout hash.
 
-float64 paths agree within 1e-12 relative (shared TESTING.md); -inf (a row that sees no key)
+float64 paths agree within 1e-12 relative; -inf (a row that sees no key)
 must be -inf in both, NaN never.
 """
 

@@ -32,7 +32,8 @@ def serve():
 def test_a_short_cpu_run_serves_every_request_and_checks_out(serve, capsys):
     serve.main(["--device", "cpu", "--requests", "3", "--slots", "2", "--max-new", "4", "--block-size", "5"])
     out = capsys.readouterr().out
-    assert len(re.findall(r"^  request \d+: prompt", out, re.M)) == 3, out
+    assert len(re.findall(r"^  request \d+: +\d+ prompt -> +\d+ new tokens: ", out, re.M)) == 3, out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
     free, total = map(int, re.search(r"blocks free after serving: (\d+) of (\d+) \(1 scratch\)", out).groups())
     assert free == total - 1, out  # every request gave its blocks back; the scratch block stays
     gap = float(re.search(r"largest logit gap of a greedy token (\S+)", out).group(1))

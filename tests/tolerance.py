@@ -1,4 +1,4 @@
-"""The tolerance rule of shared/TESTING.md, and plain PyTorch attention that sets the budget.
+"""The tolerance rule every fast path is tested by, and plain PyTorch attention that sets the budget.
 
     err(fast)  = max |fast - ref64|
     err(torch) = max |plain PyTorch attention in the same dtype - ref64|

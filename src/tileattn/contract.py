@@ -71,7 +71,3 @@ class AttnParams:
     softcap: float = 0.0
     dropout_p: float = 0.0
     dropout_seed: int = 0
-
-    @property
-    def causal(self) -> bool:
-        return self.window_right == 0 and self.window_left < 0

@@ -3,7 +3,7 @@
 Every fast path in tileattn is judged against these functions. They favour clarity over
 speed: loops over batch and heads, one tile at a time, no tricks.
 
-Layouts (see shared DESIGN.md):
+Layouts (flash-attn's, used throughout tileattn):
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim),
     out like q, lse (batch, nheads, seqlen_q); nheads % nheads_k == 0 (GQA/MQA: query head
     h reads key/value head h // (nheads // nheads_k)).

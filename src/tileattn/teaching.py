@@ -227,7 +227,7 @@ def trace_online_softmax(keys: int = 16, tile: int = 4, seed: int = 0, headdim: 
 
 def torch_attention(q, k, v, causal=False):
     """Plain softmax(q k^T / sqrt(d)) v in the inputs' dtype, (B, S, H, D) layout, GQA by repetition,
-    causal aligned bottom-right: the error budget a fast path is allowed (shared TESTING.md)."""
+    causal aligned bottom-right: the error budget a fast path is allowed (the tolerance rule of tests/tolerance.py)."""
     group = q.shape[2] // k.shape[2]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)))
     s = (qt @ kt.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -248,7 +248,7 @@ API_CASES = [
 
 def public_api_agreement(seed: int = 0):
     """Rows ``(device, dtype, label, err_tileattn, err_torch, ok)`` comparing flash_attn_func with the
-    float64 reference; ok iff err_tileattn <= 2 err_torch + 1e-5 (shared TESTING.md)."""
+    float64 reference; ok iff err_tileattn <= 2 err_torch + 1e-5 (tests/tolerance.py)."""
     targets = [("cpu", torch.float32)]
     if torch.cuda.is_available():
         targets += [("cuda", torch.float16), ("cuda", torch.bfloat16)]

@@ -19,7 +19,6 @@ Choices made here:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton

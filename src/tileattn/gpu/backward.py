@@ -34,7 +34,8 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
         return [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)]
     if head_dim_p <= 128:
         # the last two spill least in dK/dV (ptxas: 32 and 208 B of stack against 0.6-3 KB for the
-        # others, tests/hopper_compile.py); added for the autotuner, not yet timed on the GPU
+        # others, tests/hopper_compile.py); timed on the H200, the autotuner never kept them
+        # (docs/perf-notes.md: the spilling (128, 64, 8, 2 or 3) won at every size)
         return [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 5), (128, 32, 8, 3), (64, 64, 4, 3),
                 (128, 16, 8, 3), (128, 32, 8, 2)]
     return [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3)]

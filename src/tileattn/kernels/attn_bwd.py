@@ -71,10 +71,11 @@ def _attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_seqlens
 def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
            lse2, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
            MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr):
-    """P = exp2(S2 - lse2) from raw dot products, and t = tanh(scale q.k / cap) (softcap) or 0.
+    """P = exp2(S2 - lse2) from raw dot products, and t: with softcap tanh(scale q.k / cap),
+    whose square the softcap's derivative needs; without, ``qk`` itself (the callers then ignore it).
 
     ``lse2`` must broadcast against ``qk``. The softcap is applied here, so ``scores_log2`` then
-    only adds ALiBi and the mask to ``cap * t`` in natural units.
+    only converts ``cap * t`` (natural units) to log2 units and adds ALiBi and the mask.
     """
     if HAS_SOFTCAP:
         t = tanh(qk * (sm_scale / softcap))
