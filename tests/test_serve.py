@@ -75,3 +75,12 @@ def test_bad_argument_from_the_command_line():
                           timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "serve.py: error: argument --slots: must be >= 1 (got 0) (see serve.py --help)\n"
+
+
+def test_help_reads_at_80_columns(serve, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: serve.py")
+    assert max(len(line) for line in out.splitlines()) <= 80, out
