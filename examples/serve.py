@@ -15,7 +15,7 @@ number of batch slots (continuous batching):
    new key/value to the paged cache in place and attends over the whole sequence. The step
    has fixed shapes — (slots,) tokens, positions and lengths, (slots, max_blocks) block
    table — so on a GPU it is captured once in a CUDA graph and replayed; an idle slot points
-   at a scratch block and computes a token nobody reads.
+   at a scratch block of its own and computes a token nobody reads.
 3. retire: a request that has produced its number of tokens frees its blocks, and its slot
    goes back to step 1.
 
@@ -108,8 +108,10 @@ class Server:
         self.model, self.slots = model, slots
         self.cache = PagedKVCache(cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
                                   dtype=model.embed.dtype, device=device)
-        self.scratch = self.cache.allocate()  # where idle slots write their throw-away key/value
-        self.cache.reserve([self.scratch], 1)
+        # Where each idle slot writes its throw-away key/value: one scratch sequence per slot, as
+        # the cache refuses a sequence named twice in one block table.
+        self.scratch = [self.cache.allocate() for _ in range(slots)]
+        self.cache.reserve(self.scratch, 1)
         self.occupant: list[dict | None] = [None] * slots
         # The decoding step's inputs live in fixed buffers, so a captured graph can replay them.
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
@@ -142,7 +144,7 @@ class Server:
             self.next_tokens = self._decode_step()
 
     def _slot_ids(self) -> list[int]:
-        return [r["seq"] if r else self.scratch for r in self.occupant]
+        return [r["seq"] if r else scratch for r, scratch in zip(self.occupant, self.scratch)]
 
     def _load_step_inputs(self) -> None:
         ids = self._slot_ids()
@@ -280,9 +282,11 @@ def main(argv=None) -> None:
         max_new = max(2, args.max_new * (i % 4 + 1) // 4)  # answers of different lengths
         waiting.append({"id": i, "prompt": prompt, "max_new": max_new, "out": []})
     max_len = max(len(r["prompt"]) + r["max_new"] for r in waiting)
-    blocks_needed = args.slots * -(-max_len // args.block_size) + 1
+    blocks_needed = args.slots * (-(-max_len // args.block_size) + 1)  # + one scratch block per slot
     use_graph = device.type == "cuda" and not args.no_graph
-    with torch.inference_mode():
+    # no_grad, not inference_mode: PagedKVCache marks the block tables it fills by their version
+    # counter, which inference tensors lack.
+    with torch.no_grad():
         server = Server(model, slots=args.slots, num_blocks=blocks_needed, block_size=args.block_size,
                         max_len=max_len, use_graph=use_graph)
         finished, prefill_tokens, decode_tokens = [], 0, 0
@@ -306,7 +310,7 @@ def main(argv=None) -> None:
         print(f"  request {r['id']}: {len(r['prompt']):3d} prompt -> {len(r['out']):3d} new tokens: {first} ...")
     print(f"prefill: {prefill_tokens} tokens, {prefill_tokens / prefill_s:,.0f} tokens/s")
     print(f"decode:  {decode_tokens} tokens, {decode_tokens / decode_s:,.0f} tokens/s")
-    print(f"blocks free after serving: {server.cache.free_blocks} of {blocks_needed} (1 scratch)")
+    print(f"blocks free after serving: {server.cache.free_blocks} of {blocks_needed} ({args.slots} scratch)")
     print(f"check against a full recompute: largest logit gap of a greedy token {worst:.2e}")
 
 
