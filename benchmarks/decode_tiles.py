@@ -69,6 +69,7 @@ def run(args) -> list[dict]:
         for (bn, warps, stages), split in itertools.product(tiles, splits):
             for const, value in zip(names, (bn, bn, warps, stages)):
                 setattr(launch, const, value)
+            launch.clear_plans()  # the plans were made with the previous constants
 
             def step(split=split):
                 return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
@@ -90,6 +91,7 @@ def run(args) -> list[dict]:
                              gbs=common.gbs(kv_bytes, ms), err=err, note=note))
         for const, value in saved.items():
             setattr(launch, const, value)
+        launch.clear_plans()
         del q, kc, vc, table, ref
         common.free_cuda()
     return rows

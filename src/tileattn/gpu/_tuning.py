@@ -43,6 +43,10 @@ class Tuned:
         self._tuner = triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
         self._best: dict[tuple, triton.Config] = {}
 
+    def best(self, key: tuple) -> triton.Config | None:
+        """The config chosen for ``key``, or None before the first launch with it."""
+        return self._best.get(key)
+
     def launch(self, grid, key: tuple, args: tuple, meta: dict) -> None:
         config = self._best.get(key)
         if config is None:

@@ -29,10 +29,11 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
+from ._launch import Launch
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
-__all__ = ["attn_fwd"]
+__all__ = ["attn_fwd", "clear_plans", "FwdPlan"]
 
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
@@ -45,6 +46,7 @@ DECODE_BLOCK_N = 128
 DECODE_BLOCK_N_WHOLE_PAGES = 64
 DECODE_NUM_WARPS = 4
 DECODE_MAX_STAGES = 3  # fewer when the staged K/V tiles would not fit in shared memory
+MAX_PLANS = 1024  # launch plans kept (shape classes); all are dropped when full
 SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the compiler's scratch
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -72,6 +74,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 _TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
+_PLANS: dict[tuple, "FwdPlan"] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,8 +133,9 @@ def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int
     return block_n, stages
 
 
-def _stride(t: torch.Tensor | None, dim: int) -> int:
-    return 0 if t is None else t.stride(dim)
+def clear_plans() -> None:
+    """Forget every launch plan (after changing this module's tile constants, as the tile sweep does)."""
+    _PLANS.clear()
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
@@ -141,6 +145,11 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
 
     ``out[..., i, h, :] = sum_j softmax_j(s_ij) v_j`` (dropout-scaled when asked) and
     ``lse[..., h, i] = log sum_j exp(s_ij)`` over the keys query i may see; 0 and -inf if none.
+
+    The tiles, split count, grid and kernel flags depend only on the call's shape class
+    (``_plan_key``: shapes, strides, dtypes, which optional tensors are given, the flags the
+    options turn on); they are worked out once per class (``FwdPlan``) and every later call
+    of the class only launches.
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -150,118 +159,205 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return
+    key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, seqused_k, block_table, num_splits)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = FwdPlan(key)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+
+
+def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              seqused_k, block_table, num_splits) -> tuple:
+    """Everything ``FwdPlan`` reads: the launch depends on the call through this tuple only.
+
+    Of the optional tensors: alibi's strides, the batch of cu_seqlens, the block table's width
+    and row stride, and each one's dtype (the kernel reads the rest by the layout contract).
+    """
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(),
+            q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.device,
+            None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
+            None if cu_seqlens_q is None else (cu_seqlens_q.shape[0], cu_seqlens_q.dtype),
+            None if cu_seqlens_k is None else cu_seqlens_k.dtype,
+            None if seqused_k is None else seqused_k.dtype,
+            None if block_table is None else (block_table.shape[1], block_table.stride(0), block_table.dtype),
+            max_seqlen_q, max_seqlen_k, num_splits,
+            params.window_left >= 0, params.window_right >= 0, params.softcap > 0, params.dropout_p > 0)
+
+
+class FwdPlan:
+    """The forward launch of one shape class: kernel flags, tiles, split count, grid, workspace shape.
+
+    Built from a ``_plan_key`` tuple alone, so every call with that key launches the same
+    compiled kernels (``_launch.Launch``) with the same integer arguments; ``run`` passes the
+    tensors and the per-call scalars (scale, softcap, window sizes, dropout seed).
+    """
+
+    def __init__(self, key: tuple):
+        (q_shape, q_stride, k_shape, k_stride, v_shape, v_stride, o_stride, l_stride,
+         q_dtype, _k_dtype, _v_dtype, _o_dtype, _l_dtype, device,
+         alibi, cu_q, cu_k, seqused, table, max_seqlen_q, max_seqlen_k, num_splits,
+         mask_left, mask_right, has_softcap, has_dropout) = key
+        varlen = cu_q is not None
+        paged = table is not None
+        if num_splits < 0:
+            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+        if paged and seqused is None:
+            raise ValueError("a paged KV cache (block_table) needs seqused_k")
+        if varlen:
+            batch = cu_q[0] - 1
+            _, nheads, head_dim = q_shape
+            seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]  # an upper bound suffices
+            stride_qb, stride_qs, stride_qh = 0, q_stride[0], q_stride[1]
+            stride_ob, stride_os, stride_oh = 0, o_stride[0], o_stride[1]
+            stride_lb, stride_lh, stride_ls = 0, l_stride[0], l_stride[1]
+        else:
+            batch, seqlen_q, nheads, head_dim = q_shape
+            stride_qb, stride_qs, stride_qh = q_stride[:3]
+            stride_ob, stride_os, stride_oh = o_stride[:3]
+            stride_lb, stride_lh, stride_ls = l_stride
+        if paged or not varlen:  # (B or blocks, S or page, Hk, D)
+            nheads_k = k_shape[2]
+            stride_kb, stride_ks, stride_kh = k_stride[:3]
+            stride_vb, stride_vs, stride_vh = v_stride[:3]
+        else:  # packed keys (Tk, Hk, D)
+            nheads_k = k_shape[1]
+            stride_kb, stride_ks, stride_kh = 0, k_stride[0], k_stride[1]
+            stride_vb, stride_vs, stride_vh = 0, v_stride[0], v_stride[1]
+        if paged:
+            page_size = k_shape[1]
+            seqlen_k = max_seqlen_k if max_seqlen_k > 0 else table[0] * page_size
+        elif varlen:
+            page_size = 1
+            seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k_shape[0]
+        else:
+            page_size = 1
+            seqlen_k = k_shape[1]
+        group = nheads // nheads_k
+        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+        elem_size = torch.empty((), dtype=q_dtype).element_size()
+
+        pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
+        max_rows = seqlen_q * group if pack_gqa else seqlen_q
+        heads_grid = nheads_k if pack_gqa else nheads
+        decode = max_rows <= DECODE_MAX_ROWS
+        block_m = max(16, triton.next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
+        block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, elem_size)
+        if num_splits == 0:
+            programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
+            smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size)
+            num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
+        split_kv = num_splits > 1
+        self.num_splits = num_splits
+
+        self.workspace = None
+        if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
+            rows_b, rows_s = (1, q_shape[0]) if varlen else (batch, seqlen_q)
+            self.workspace = ((num_splits, rows_b, rows_s, nheads, head_dim), (num_splits, rows_b, nheads, rows_s))
+            o_strides = _contiguous_strides(self.workspace[0])[:4]
+            l_strides = _contiguous_strides(self.workspace[1])[:4]
+            if varlen:  # the kernel indexes packed tokens with batch stride 0
+                o_strides = (o_strides[0], 0, *o_strides[2:])
+                l_strides = (l_strides[0], 0, *l_strides[2:])
+        else:
+            o_strides = (0, stride_ob, stride_os, stride_oh)
+            l_strides = (0, stride_lb, stride_lh, stride_ls)
+
+        dot_dtype = _DOT_DTYPES[q_dtype]
+        if interpreting() and q_dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
+            dot_dtype = tl.float32
+        self.ints = (
+            stride_qb, stride_qs, stride_qh,
+            stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh,
+            *o_strides, *l_strides,
+            alibi[0][0] if alibi else 0, alibi[0][1] if alibi else 0, table[1] if paged else 0,
+            nheads, seqlen_q, seqlen_k, max_rows, num_splits,
+        )
+        flags = dict(
+            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
+            IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused is not None,
+            PACK_GQA=pack_gqa, SPLIT_KV=split_kv,
+            MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
+            HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        )
+        self.flags = flags
+
+        def grid(block_m):
+            return (batch * heads_grid * triton.cdiv(max_rows, block_m), num_splits)
+
+        self._grid = grid
+        self.tuned = self.tune_key = None
+        if decode:
+            self.fwd = Launch(_attn_fwd_kernel, grid(block_m), dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
+                              dict(num_warps=DECODE_NUM_WARPS, num_stages=stages))
+        elif autotune_enabled():
+            self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
+            self.tuned = _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))
+            self.tune_key = tuple(flags[name] for name in _TUNE_KEY) + (q_dtype,)
+        else:  # the first config that fits in shared memory
+            self.fwd = _config_launch(flags, _prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
+                                                            HEAD_DIM_PAD=head_dim_pad)[0], grid)
+        self.combine = None
+        if split_kv:
+            self.combine = _combine_launch(self.workspace, varlen, o_stride, l_stride, head_dim, head_dim_pad)
+
+    def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+            block_table) -> None:
+        """Launch the plan on one call's tensors (they must have the plan's key)."""
+        if self.workspace is not None:
+            o_dst = torch.empty(self.workspace[0], device=q.device, dtype=torch.float32)
+            l_dst = torch.empty(self.workspace[1], device=q.device, dtype=torch.float32)
+        else:
+            o_dst, l_dst = out, lse
+        dropout_p = params.dropout_p
+        args = (q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *self.ints,
+                float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
+                params.window_right, params.dropout_seed, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
+        if self.fwd is not None:
+            self.fwd(*args)
+        else:
+            self._tuned_launch(args)
+        if self.combine is not None:
+            self.combine(o_dst, l_dst, out, lse)
+
+    def _tuned_launch(self, args) -> None:
+        """A prefill launch before this plan knows its config: through the autotuner, which
+        times the configs the first time its key is seen; the plan keeps the config chosen."""
+        config = self.tuned.best(self.tune_key)
+        if config is None:
+            self.tuned.launch(lambda meta: self._grid(meta["BLOCK_M"]), self.tune_key, args, self.flags)
+            config = self.tuned.best(self.tune_key)
+        self.fwd = _config_launch(self.flags, config, self._grid)
+        self.fwd(*args)
+
+
+def _config_launch(flags: dict, config: triton.Config, grid) -> Launch:
+    return Launch(_attn_fwd_kernel, grid(config.kwargs["BLOCK_M"]), dict(flags, **config.kwargs),
+                  dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int) -> Launch:
+    """The merge of the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1)."""
+    (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
+    po, pl = _contiguous_strides(workspace[0]), _contiguous_strides(l_shape)
     if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-        _, nheads, head_dim = q.shape
-        seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]  # an upper bound suffices
-        stride_qb, stride_qs, stride_qh = 0, q.stride(0), q.stride(1)
-        stride_ob, stride_os, stride_oh = 0, out.stride(0), out.stride(1)
-        stride_lb, stride_lh, stride_ls = 0, lse.stride(0), lse.stride(1)
-    else:
-        batch, seqlen_q, nheads, head_dim = q.shape
-        stride_qb, stride_qs, stride_qh = q.stride(0), q.stride(1), q.stride(2)
-        stride_ob, stride_os, stride_oh = out.stride(0), out.stride(1), out.stride(2)
-        stride_lb, stride_lh, stride_ls = lse.stride(0), lse.stride(1), lse.stride(2)
-    if paged or not varlen:  # (B or blocks, S or page, Hk, D)
-        nheads_k = k.shape[2]
-        stride_kb, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vb, stride_vs, stride_vh = v.stride(0), v.stride(1), v.stride(2)
-    else:  # packed keys (Tk, Hk, D)
-        nheads_k = k.shape[1]
-        stride_kb, stride_ks, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vb, stride_vs, stride_vh = 0, v.stride(0), v.stride(1)
-    if paged:
-        page_size = k.shape[1]
-        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else block_table.shape[1] * page_size
-    elif varlen:
-        page_size = 1
-        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
-    else:
-        page_size = 1
-        seqlen_k = k.shape[1]
-    group = nheads // nheads_k
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-
-    pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
-    max_rows = seqlen_q * group if pack_gqa else seqlen_q
-    heads_grid = nheads_k if pack_gqa else nheads
-    decode = max_rows <= DECODE_MAX_ROWS
-    block_m = max(16, triton.next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
-    block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, q.element_size())
-    if num_splits == 0:
-        programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
-        smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, q.element_size())
-        num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device, smem, waves=2 if paged else 1)
-    split_kv = num_splits > 1
-
-    if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
-        rows_b, rows_s = (1, q.shape[0]) if varlen else (batch, seqlen_q)
-        o_dst = torch.empty((num_splits, rows_b, rows_s, nheads, head_dim), device=q.device, dtype=torch.float32)
-        l_dst = torch.empty((num_splits, rows_b, nheads, rows_s), device=q.device, dtype=torch.float32)
-        o_strides = o_dst.stride()[:4]
-        l_strides = l_dst.stride()[:4]
-        if varlen:  # the kernel indexes packed tokens with batch stride 0
-            o_strides = (o_strides[0], 0, *o_strides[2:])
-            l_strides = (l_strides[0], 0, *l_strides[2:])
-    else:
-        o_dst, l_dst = out, lse
-        o_strides = (0, stride_ob, stride_os, stride_oh)
-        l_strides = (0, stride_lb, stride_lh, stride_ls)
-
-    dropout_p = params.dropout_p
-    dot_dtype = _DOT_DTYPES[q.dtype]
-    if interpreting() and q.dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
-        dot_dtype = tl.float32
-    args = (
-        q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-        stride_qb, stride_qs, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        *o_strides, *l_strides,
-        _stride(alibi_slopes, 0), _stride(alibi_slopes, 1), _stride(block_table, 0),
-        nheads, seqlen_q, seqlen_k, max_rows, num_splits,
-        params.softmax_scale * LOG2E.value, params.softcap, params.window_left, params.window_right,
-        params.dropout_seed, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0,
-    )
-    flags = dict(
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
-        IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused_k is not None,
-        PACK_GQA=pack_gqa, SPLIT_KV=split_kv,
-        MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
-        HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-    )
-
-    def grid(meta):
-        return (batch * heads_grid * triton.cdiv(max_rows, meta["BLOCK_M"]), num_splits)
-
-    if decode:
-        _attn_fwd_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=DECODE_NUM_WARPS,
-                               num_stages=stages)
-    elif autotune_enabled():
-        key = tuple(flags[name] for name in _TUNE_KEY) + (q.dtype,)
-        _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k)).launch(grid, key, args, flags)
-    else:  # the first config that fits in shared memory
-        cfg = _prune_configs(_prefill_configs(), {"Q": q}, HEAD_DIM_PAD=head_dim_pad)[0]
-        _attn_fwd_kernel[grid](*args, **flags, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    if split_kv:
-        _combine(o_dst, l_dst, out, lse, varlen, head_dim, head_dim_pad)
-
-
-def _combine(o_part, l_part, out, lse, varlen, head_dim, head_dim_pad):
-    """Merge the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1)."""
-    if varlen:
-        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
-    num_splits, batch, seqlen_q, nheads, _ = o_part.shape
-    grid = (batch * seqlen_q * nheads,)
-    _combine_kernel[grid](
-        o_part, l_part, out, lse,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0), l_part.stride(1), l_part.stride(2), l_part.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        nheads, seqlen_q, num_splits,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), num_warps=4,
-    )
+        o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
+    launch = Launch(_combine_kernel, (batch * seqlen_q * nheads,),
+                    dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                         BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
+                    dict(num_warps=4))
+    ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
+    return lambda o_part, l_part, out, lse: launch(o_part, l_part, out, lse, *ints)

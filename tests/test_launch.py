@@ -1,0 +1,171 @@
+"""The launch fast path (``tileattn.gpu._launch``) and the forward's launch plans, on the CPU.
+
+A ``Launch`` keeps the ``CompiledKernel`` of its first call and launches it directly after
+that; here a fake jit function stands in for Triton's (the interpreter compiles nothing), so
+the tests see which calls went through Triton and what the direct launches were handed.
+The plan cache of ``attn_fwd`` runs for real in the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton import knobs
+from triton.compiler import CompiledKernel
+
+import tileattn.gpu._launch as L
+import tileattn.gpu.attention as A
+from tileattn.ops.backend import AttnParams
+
+
+class _Param:
+    def __init__(self, name, is_constexpr=False, do_not_specialize=False):
+        self.name, self.is_constexpr, self.do_not_specialize = name, is_constexpr, do_not_specialize
+
+
+class _Compiled(CompiledKernel):
+    """A compiled kernel whose launcher records its arguments."""
+
+    def __init__(self, log):
+        self.function, self.packed_metadata, self.module = "fn", "meta", "mod"
+        self._run = lambda *a: log.append(a)
+
+
+class _Jit:
+    """Stands in for a JITFunction: (X, Y, n, seqlen, BLOCK); ``seqlen`` is not specialised."""
+
+    def __init__(self):
+        self.params = [_Param("X"), _Param("Y"), _Param("n"), _Param("seqlen", do_not_specialize=True),
+                       _Param("BLOCK", is_constexpr=True)]
+        self.slow, self.fast = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.slow.append((grid, args, meta))
+            return _Compiled(self.fast)
+        return run
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_current_stream", lambda device: 1234)
+    return _Jit()
+
+
+def test_second_call_launches_the_kept_kernel_directly(jit):
+    launch = L.Launch(jit, (6, 2), {"BLOCK": 32}, {"num_warps": 4})
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch(x, y, 48, 7)
+    assert len(jit.slow) == 1 and not jit.fast
+    grid, args, meta = jit.slow[0]
+    assert grid == (6, 2, 1) and args == (x, y, 48, 7) and meta == {"BLOCK": 32, "num_warps": 4}
+    launch(x, y, 48, 9)
+    launch(y, x, 48, 11)
+    assert len(jit.slow) == 1 and launch.fast_calls == 2
+    # grid, stream, function, metadata, no launch metadata or hooks, raw pointers, ints, constexprs
+    assert jit.fast[0] == (6, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), y.data_ptr(), 48, 9, 32)
+    assert jit.fast[1][9:11] == (y.data_ptr(), x.data_ptr())
+
+
+def test_what_the_fast_path_cannot_vouch_for_goes_through_triton(jit, monkeypatch):
+    launch = L.Launch(jit, (4,), {"BLOCK": 16}, {})
+    buf = torch.zeros(64)
+    x, y = buf[:8], buf[8:16]
+    launch(x, y, 5, 3)
+    launch(buf[1:9], y, 5, 3)  # a pointer off 16-byte alignment: Triton specialises on it
+    launch(x, y, 5, 2**31)  # an unspecialised int past i32: Triton types it i64
+    monkeypatch.setattr(L, "_current_device", lambda: 1)  # the kernel was loaded on device 0
+    launch(x, y, 5, 3)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)  # a profiler listens: it gets Triton's launch metadata
+    try:
+        launch(x, y, 5, 3)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(jit.slow) == 5 and launch.fast_calls == 0
+    launch(x, y, 5, 3)
+    assert launch.fast_calls == 1
+
+
+def test_nothing_is_kept_from_an_unaligned_first_call_or_the_interpreter(jit):
+    launch = L.Launch(jit, (4,), {"BLOCK": 16}, {})
+    buf = torch.zeros(64)
+    launch(buf[1:9], buf[16:24], 5, 3)
+    launch(buf[:8], buf[16:24], 5, 3)  # kept now
+    launch(buf[:8], buf[16:24], 5, 3)
+    assert len(jit.slow) == 2 and launch.fast_calls == 1
+
+    jit.__class__ = type("_Interpreted", (_Jit,), {"__getitem__": lambda self, grid: lambda *a, **m: None})
+    interpreted = L.Launch(jit, (4,), {"BLOCK": 16}, {})
+    interpreted(buf[:8], buf[16:24], 5, 3)
+    assert interpreted.compiled is None
+
+
+def _decode_inputs(seed, cap=40, batch=2):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, 4, 32, generator=gen)
+    k, v = (torch.randn(batch, cap, 2, 32, generator=gen) for _ in range(2))
+    lens = torch.tensor([cap - 3, 1][:batch], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, 4, 1), float("nan"))
+    return q, k, v, out, lse, lens
+
+
+def test_a_shape_class_is_planned_once(monkeypatch):
+    A.clear_plans()
+    built = []
+
+    class Counted(A.FwdPlan):
+        def __init__(self, key):
+            built.append(key)
+            super().__init__(key)
+
+    monkeypatch.setattr(A, "FwdPlan", Counted)
+    params = AttnParams(32**-0.5)
+    q, k, v, out, lse, lens = _decode_inputs(1)
+    A.attn_fwd(q, k, v, out, lse, params=params, seqused_k=lens, num_splits=3)
+    first = out.clone()
+    q2, k2, v2, out2, lse2, lens2 = _decode_inputs(2)  # new values, same shape class
+    A.attn_fwd(q2, k2, v2, out2, lse2, params=AttnParams(0.3, softcap=0.0), seqused_k=lens2, num_splits=3)
+    assert len(built) == 1
+    A.attn_fwd(q, k, v, out, lse, params=params, seqused_k=lens, num_splits=3)
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
+    assert len(built) == 1
+    # each of these is another class: strides, split count, a flag, an optional tensor
+    A.attn_fwd(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, out, lse, params=params, seqused_k=lens,
+               num_splits=3)
+    A.attn_fwd(q, k, v, out, lse, params=params, seqused_k=lens, num_splits=2)
+    A.attn_fwd(q, k, v, out, lse, params=AttnParams(32**-0.5, window_right=0), seqused_k=lens, num_splits=3)
+    A.attn_fwd(q, k, v, out, lse, params=params, num_splits=3)
+    assert len(built) == 5 and len(set(built)) == 5
+
+
+def test_the_plan_names_everything_the_launch_reads():
+    """Two calls that differ only in what ``_plan_key`` leaves out get one plan whose integer
+    arguments fit both: the strides of q, k, v, out, lse are in the key, values are not."""
+    A.clear_plans()
+    params = AttnParams(32**-0.5)
+    q, k, v, out, lse, lens = _decode_inputs(3)
+    A.attn_fwd(q, k, v, out, lse, params=params, seqused_k=lens, num_splits=2)
+    (key, plan), = A._PLANS.items()
+    q2, k2, v2, out2, lse2, lens2 = _decode_inputs(4)
+    assert A._plan_key(q2, k2, v2, out2, lse2, AttnParams(0.5, dropout_seed=9), None, None, None, 0, 0, lens2,
+                       None, 2) == key
+    assert plan.ints == A.FwdPlan(key).ints and plan.num_splits == 2
+
+
+def test_the_autotuned_prefill_plan_keeps_the_chosen_config():
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 80, 2, 16, generator=gen) for _ in range(3))  # 80 rows: the prefill tile
+    out, lse = torch.full_like(q, float("nan")), torch.full((1, 2, 80), float("nan"))
+    A.attn_fwd(q, k, v, out, lse, params=AttnParams(0.25))
+    (plan,) = A._PLANS.values()
+    assert plan.tuned is not None and plan.fwd is not None
+    assert plan.fwd.constexprs["BLOCK_M"] == plan.tuned.best(plan.tune_key).kwargs["BLOCK_M"]
+    before = out.clone()
+    out.fill_(float("nan"))
+    A.attn_fwd(q, k, v, out, lse, params=AttnParams(0.25))
+    torch.testing.assert_close(out, before, rtol=0, atol=0)
