@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 import tileattn.gpu._launch as L
 import tileattn.gpu.attention as A
 from tileattn.ops.backend import AttnParams
+
+
+G = (4, 1, 1)
 
 
 class _Param:
@@ -54,52 +60,52 @@ def jit(monkeypatch):
 
 
 def test_second_call_launches_the_kept_kernel_directly(jit):
-    launch = L.Launch(jit, (6, 2), {"BLOCK": 32}, {"num_warps": 4})
+    launch = L.Launch(jit, {"BLOCK": 32}, {"num_warps": 4})
     x, y = torch.zeros(8), torch.zeros(8)
-    launch(x, y, 48, 7)
+    launch((6, 2, 1), x, y, 48, 7)
     assert len(jit.slow) == 1 and not jit.fast
     grid, args, meta = jit.slow[0]
     assert grid == (6, 2, 1) and args == (x, y, 48, 7) and meta == {"BLOCK": 32, "num_warps": 4}
-    launch(x, y, 48, 9)
-    launch(y, x, 48, 11)
+    launch((6, 2, 1), x, y, 48, 9)
+    launch((3, 1, 1), y, x, 48, 11)
     assert len(jit.slow) == 1 and launch.fast_calls == 2
     # grid, stream, function, metadata, no launch metadata or hooks, raw pointers, ints, constexprs
     assert jit.fast[0] == (6, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), y.data_ptr(), 48, 9, 32)
-    assert jit.fast[1][9:11] == (y.data_ptr(), x.data_ptr())
+    assert jit.fast[1][:3] == (3, 1, 1) and jit.fast[1][9:11] == (y.data_ptr(), x.data_ptr())
 
 
 def test_what_the_fast_path_cannot_vouch_for_goes_through_triton(jit, monkeypatch):
-    launch = L.Launch(jit, (4,), {"BLOCK": 16}, {})
+    launch = L.Launch(jit, {"BLOCK": 16}, {})
     buf = torch.zeros(64)
     x, y = buf[:8], buf[8:16]
-    launch(x, y, 5, 3)
-    launch(buf[1:9], y, 5, 3)  # a pointer off 16-byte alignment: Triton specialises on it
-    launch(x, y, 5, 2**31)  # an unspecialised int past i32: Triton types it i64
+    launch(G, x, y, 5, 3)
+    launch(G, buf[1:9], y, 5, 3)  # a pointer off 16-byte alignment: Triton specialises on it
+    launch(G, x, y, 5, 2**31)  # an unspecialised int past i32: Triton types it i64
     monkeypatch.setattr(L, "_current_device", lambda: 1)  # the kernel was loaded on device 0
-    launch(x, y, 5, 3)
+    launch(G, x, y, 5, 3)
     monkeypatch.setattr(L, "_current_device", lambda: 0)
     hook = lambda *a: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)  # a profiler listens: it gets Triton's launch metadata
     try:
-        launch(x, y, 5, 3)
+        launch(G, x, y, 5, 3)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(jit.slow) == 5 and launch.fast_calls == 0
-    launch(x, y, 5, 3)
+    launch(G, x, y, 5, 3)
     assert launch.fast_calls == 1
 
 
 def test_nothing_is_kept_from_an_unaligned_first_call_or_the_interpreter(jit):
-    launch = L.Launch(jit, (4,), {"BLOCK": 16}, {})
+    launch = L.Launch(jit, {"BLOCK": 16}, {})
     buf = torch.zeros(64)
-    launch(buf[1:9], buf[16:24], 5, 3)
-    launch(buf[:8], buf[16:24], 5, 3)  # kept now
-    launch(buf[:8], buf[16:24], 5, 3)
+    launch(G, buf[1:9], buf[16:24], 5, 3)
+    launch(G, buf[:8], buf[16:24], 5, 3)  # kept now
+    launch(G, buf[:8], buf[16:24], 5, 3)
     assert len(jit.slow) == 2 and launch.fast_calls == 1
 
     jit.__class__ = type("_Interpreted", (_Jit,), {"__getitem__": lambda self, grid: lambda *a, **m: None})
-    interpreted = L.Launch(jit, (4,), {"BLOCK": 16}, {})
-    interpreted(buf[:8], buf[16:24], 5, 3)
+    interpreted = L.Launch(jit, {"BLOCK": 16}, {})
+    interpreted(G, buf[:8], buf[16:24], 5, 3)
     assert interpreted.compiled is None
 
 
@@ -165,7 +171,38 @@ def test_the_autotuned_prefill_plan_keeps_the_chosen_config():
     (plan,) = A._PLANS.values()
     assert plan.tuned is not None and plan.fwd is not None
     assert plan.fwd.constexprs["BLOCK_M"] == plan.tuned.best(plan.tune_key).kwargs["BLOCK_M"]
+    assert plan.grid == (2 * -(-80 // plan.fwd.constexprs["BLOCK_M"]), 1, 1)
     before = out.clone()
     out.fill_(float("nan"))
     A.attn_fwd(q, k, v, out, lse, params=AttnParams(0.25))
     torch.testing.assert_close(out, before, rtol=0, atol=0)
+
+
+def test_plans_that_specialise_alike_share_one_launch():
+    """A growing dense cache is a new plan each step, but the same compiled kernel: the integer
+    arguments Triton specialises fall in the same classes (1, multiple of 16, i32)."""
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 1, 4, 32, generator=gen)
+    params = AttnParams(32**-0.5)
+    plans = []
+    for keys in (48, 49, 64):
+        k, v = (torch.randn(1, keys, 2, 32, generator=gen) for _ in range(2))
+        out, lse = torch.full_like(q, float("nan")), torch.full((1, 4, 1), float("nan"))
+        A.attn_fwd(q, k, v, out, lse, params=params)
+        plans.append(A._PLANS[A._plan_key(q, k, v, out, lse, params, None, None, None, 0, 0, None, None, 1)])
+    assert plans[0] is not plans[1] and plans[0].fwd is plans[1].fwd is plans[2].fwd
+    wide = torch.randn(1, 48, 2, 33, generator=gen)[..., :32]  # a row stride of 66: not a multiple of 16
+    A.attn_fwd(q, wide, wide, out, lse, params=params)
+    plan = A._PLANS[A._plan_key(q, wide, wide, out, lse, params, None, None, None, 0, 0, None, None, 1)]
+    assert plan.fwd is not plans[0].fwd
+
+
+def _kernel(X, n, m, BLOCK: tl.constexpr):
+    pass
+
+
+def test_int_class_reads_do_not_specialize_from_either_kind_of_jit_function():
+    for fn in (JITFunction(_kernel, do_not_specialize=["m"]), InterpretedFunction(_kernel, do_not_specialize=["m"])):
+        assert L.int_class(fn, 1, (16, 16)) == ((False, True, True), (True,))
+        assert L.int_class(fn, 1, (1, 2**31)) == ((True, False, True), (False,))

@@ -4,20 +4,21 @@ Every call of ``kernel[grid](*args, **meta)`` makes Triton 3.6 bind all ~60 argu
 specialise each one (dtype; 16-byte alignment of pointers; whether an int is 1 or divisible
 by 16; the i32/i64 range of the others), turn that into a string key, look the compiled
 kernel up, build launch metadata for profiler hooks and ask the driver to check every
-pointer. ``Launch`` does that once: the first call goes through Triton and keeps the
-``CompiledKernel`` it returns; later calls hand the launcher raw pointers directly::
+pointer. A ``Launch`` does that once: its first call goes through Triton and keeps the
+``CompiledKernel`` Triton returns; later calls hand the launcher raw pointers directly::
 
     compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
                  launch_metadata=None, enter_hook=None, exit_hook=None, *args, *constexprs)
 
-That is sound only while every call would have compiled to the same kernel. The owner of a
-``Launch`` (a launch plan, ``gpu.attention``) guarantees what it can from its cache key: the
-constexprs, options and grid are fixed, and so are the dtype and None-ness of every tensor and
-the value of every int Triton specialises. Per call ``Launch`` checks the rest: the pointers'
-16-byte alignment, the i32 range of the ints Triton does not specialise, the current device,
-and that no profiler hook is installed (``knobs.runtime.launch_enter_hook``). Anything else
-goes through Triton as before. Under ``TRITON_INTERPRET=1`` there is no compiled kernel and
-every call takes Triton's path.
+That is sound only while every call would compile to the same kernel. ``launch_for`` hands
+out one ``Launch`` per (jit function, constexprs, options, signature), where the caller's
+signature names the dtype (or absence) of every tensor argument and how Triton classifies each
+integer argument the caller keeps fixed (``int_class``); the integers a caller varies from
+call to call must be ones the kernel does not specialise (``do_not_specialize``). Per call
+``Launch`` checks the rest: the pointers' 16-byte alignment, the i32 range of those
+unspecialised integers, the current device, and that no profiler hook is installed
+(``knobs.runtime.launch_enter_hook``). Anything else goes through Triton as before. Under
+``TRITON_INTERPRET=1`` there is no compiled kernel and every call takes Triton's path.
 """
 
 from __future__ import annotations
@@ -26,10 +27,35 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
-__all__ = ["Launch"]
+__all__ = ["Launch", "int_class", "launch_for"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+_LAUNCHES: dict[tuple, "Launch"] = {}
+
+
+def int_class(fn, first: int, values) -> tuple:
+    """How Triton classifies the integer arguments ``values`` of jit function ``fn``, the first
+    at argument position ``first``: (equal to 1, divisible by 16, within i32) each, or only the
+    range for those the kernel does not specialise (``do_not_specialize``)."""
+    loose = getattr(fn, "do_not_specialize", None)
+    if loose is None:  # the interpreter's InterpretedFunction keeps the decorator's arguments
+        loose = fn.kwargs.get("do_not_specialize", ())
+    names = fn.arg_names[first:first + len(values)]
+    return tuple((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX)
+                 for name, v in zip(names, values))
+
+
+def launch_for(fn, constexprs: dict, options: dict, signature: tuple) -> "Launch":
+    """The ``Launch`` of ``fn`` with these constexprs and options shared by every caller whose
+    calls specialise alike, as ``signature`` says (see the module docstring)."""
+    key = (fn, tuple(sorted(constexprs.items())), tuple(sorted(options.items())), signature)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = Launch(fn, constexprs, options)
+    return launch
 
 
 def _current_device() -> int:
@@ -41,18 +67,18 @@ def _current_stream(device: int) -> int:
 
 
 class Launch:
-    """One jit kernel with fixed constexprs, launch options and grid (see the module docstring).
+    """One jit kernel with fixed constexprs and launch options (see the module docstring).
 
-    ``launch(*args)`` takes the kernel's runtime arguments in signature order (the constexprs
-    come from ``constexprs``). ``fast_calls`` counts the calls that skipped Triton's path.
+    ``launch((g0, g1, g2), *args)`` takes the grid and the kernel's runtime arguments in
+    signature order (the constexprs come from ``constexprs``). ``fast_calls`` counts the calls
+    that skipped Triton's path.
     """
 
-    __slots__ = ("fn", "grid", "constexprs", "options", "compiled", "device", "tail", "ptr_slots", "wide_slots",
+    __slots__ = ("fn", "constexprs", "options", "compiled", "device", "tail", "ptr_slots", "wide_slots",
                  "fast_calls")
 
-    def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, options: dict):
+    def __init__(self, fn, constexprs: dict, options: dict):
         self.fn = fn
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.constexprs = constexprs
         self.options = options
         self.compiled: CompiledKernel | None = None
@@ -62,7 +88,7 @@ class Launch:
         self.wide_slots: tuple[int, ...] = ()
         self.fast_calls = 0
 
-    def __call__(self, *args) -> None:
+    def __call__(self, grid: tuple[int, int, int], *args) -> None:
         compiled = self.compiled
         if compiled is not None and not (_ENTER_HOOKS.calls or _EXIT_HOOKS.calls):
             device = _current_device()
@@ -75,17 +101,17 @@ class Launch:
                 if not _I32_MIN <= raw[i] <= _I32_MAX:
                     align = 1
             if not align & 15:
-                g0, g1, g2 = self.grid
+                g0, g1, g2 = grid
                 compiled.run(g0, g1, g2, _current_stream(device), compiled.function, compiled.packed_metadata,
                              None, None, None, *raw, *self.tail)
                 self.fast_calls += 1
                 return
-        self._through_triton(args)
+        self._through_triton(grid, args)
 
-    def _through_triton(self, args) -> None:
+    def _through_triton(self, grid, args) -> None:
         """Launch through ``JITFunction.run``; keep the compiled kernel when the call is one the
         fast path may repeat (every pointer 16-byte aligned, every unspecialised int in i32)."""
-        compiled = self.fn[self.grid](*args, **self.constexprs, **self.options)
+        compiled = self.fn[grid](*args, **self.constexprs, **self.options)
         if self.compiled is not None or not isinstance(compiled, CompiledKernel):
             return  # the interpreter, or already kept
         params = self.fn.params

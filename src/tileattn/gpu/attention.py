@@ -29,7 +29,7 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import Launch
+from ._launch import Launch, int_class, launch_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -75,6 +75,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
 _PLANS: dict[tuple, "FwdPlan"] = {}
+_FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's integers start here
+_COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,7 +200,7 @@ class FwdPlan:
 
     def __init__(self, key: tuple):
         (q_shape, q_stride, k_shape, k_stride, v_shape, v_stride, o_stride, l_stride,
-         q_dtype, _k_dtype, _v_dtype, _o_dtype, _l_dtype, device,
+         q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
          alibi, cu_q, cu_k, seqused, table, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, has_softcap, has_dropout) = key
         varlen = cu_q is not None
@@ -288,23 +290,30 @@ class FwdPlan:
         self.flags = flags
 
         def grid(block_m):
-            return (batch * heads_grid * triton.cdiv(max_rows, block_m), num_splits)
+            return (batch * heads_grid * triton.cdiv(max_rows, block_m), num_splits, 1)
 
         self._grid = grid
+        ws_dtype = torch.float32 if split_kv else None
+        # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``)
+        self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype,
+                            None if alibi is None else alibi[-1], None if cu_q is None else cu_q[-1], cu_k, seqused,
+                            None if table is None else table[-1]), int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
         self.tuned = self.tune_key = None
         if decode:
-            self.fwd = Launch(_attn_fwd_kernel, grid(block_m), dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
-                              dict(num_warps=DECODE_NUM_WARPS, num_stages=stages))
+            self.fwd = launch_for(_attn_fwd_kernel, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
+                                  dict(num_warps=DECODE_NUM_WARPS, num_stages=stages), self._signature)
+            self.grid = grid(block_m)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
             self.tuned = _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))
             self.tune_key = tuple(flags[name] for name in _TUNE_KEY) + (q_dtype,)
         else:  # the first config that fits in shared memory
-            self.fwd = _config_launch(flags, _prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
-                                                            HEAD_DIM_PAD=head_dim_pad)[0], grid)
+            self._use_config(_prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
+                                            HEAD_DIM_PAD=head_dim_pad)[0])
         self.combine = None
         if split_kv:
-            self.combine = _combine_launch(self.workspace, varlen, o_stride, l_stride, head_dim, head_dim_pad)
+            self.combine, self.combine_grid, self.combine_ints = _combine_launch(
+                self.workspace, varlen, o_stride, l_stride, head_dim, head_dim_pad, o_dtype, l_dtype)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
             block_table) -> None:
@@ -317,13 +326,19 @@ class FwdPlan:
         dropout_p = params.dropout_p
         args = (q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *self.ints,
                 float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
-                params.window_right, params.dropout_seed, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
+                params.window_right, params.dropout_seed, keep_threshold(dropout_p),
+                1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
         if self.fwd is not None:
-            self.fwd(*args)
+            self.fwd(self.grid, *args)
         else:
             self._tuned_launch(args)
         if self.combine is not None:
-            self.combine(o_dst, l_dst, out, lse)
+            self.combine(self.combine_grid, o_dst, l_dst, out, lse, *self.combine_ints)
+
+    def _use_config(self, config: triton.Config) -> None:
+        self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs),
+                              dict(num_warps=config.num_warps, num_stages=config.num_stages), self._signature)
+        self.grid = self._grid(config.kwargs["BLOCK_M"])
 
     def _tuned_launch(self, args) -> None:
         """A prefill launch before this plan knows its config: through the autotuner, which
@@ -331,14 +346,10 @@ class FwdPlan:
         config = self.tuned.best(self.tune_key)
         if config is None:
             self.tuned.launch(lambda meta: self._grid(meta["BLOCK_M"]), self.tune_key, args, self.flags)
-            config = self.tuned.best(self.tune_key)
-        self.fwd = _config_launch(self.flags, config, self._grid)
-        self.fwd(*args)
-
-
-def _config_launch(flags: dict, config: triton.Config, grid) -> Launch:
-    return Launch(_attn_fwd_kernel, grid(config.kwargs["BLOCK_M"]), dict(flags, **config.kwargs),
-                  dict(num_warps=config.num_warps, num_stages=config.num_stages))
+            self._use_config(self.tuned.best(self.tune_key))
+        else:
+            self._use_config(config)
+            self.fwd(self.grid, *args)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -349,15 +360,17 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int) -> Launch:
-    """The merge of the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1)."""
+def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
+                    l_dtype) -> tuple[Launch, tuple, tuple]:
+    """The merge of the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1):
+    its launch, grid and integer arguments."""
     (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
     po, pl = _contiguous_strides(workspace[0]), _contiguous_strides(l_shape)
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
-    launch = Launch(_combine_kernel, (batch * seqlen_q * nheads,),
-                    dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                         BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
-                    dict(num_warps=4))
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
-    return lambda o_part, l_part, out, lse: launch(o_part, l_part, out, lse, *ints)
+    launch = launch_for(_combine_kernel,
+                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                             BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
+                        dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype), int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
+    return launch, (batch * seqlen_q * nheads, 1, 1), ints
