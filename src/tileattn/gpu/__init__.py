@@ -1,9 +1,11 @@
 """The Triton backend: launchers for the jit kernels of ``tileattn.kernels``.
 
-Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``.
+Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``; and
+``append_kv``, the one-launch append of a decoding step's keys and values to its cache.
 """
 
 from .attention import attn_fwd
 from .backward import attn_bwd
+from .kvcache import append_kv
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "append_kv"]

@@ -27,7 +27,7 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
-__all__ = ["Launch", "int_class", "launch_for"]
+__all__ = ["Launch", "contiguous_strides", "int_class", "launch_for"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -56,6 +56,15 @@ def launch_for(fn, constexprs: dict, options: dict, signature: tuple) -> "Launch
     if launch is None:
         launch = _LAUNCHES[key] = Launch(fn, constexprs, options)
     return launch
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``torch.empty(shape)`` will have)."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
 
 
 def _current_device() -> int:

@@ -29,7 +29,7 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import Launch, int_class, launch_for
+from ._launch import Launch, contiguous_strides, int_class, launch_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -259,8 +259,8 @@ class FwdPlan:
         if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
             rows_b, rows_s = (1, q_shape[0]) if varlen else (batch, seqlen_q)
             self.workspace = ((num_splits, rows_b, rows_s, nheads, head_dim), (num_splits, rows_b, nheads, rows_s))
-            o_strides = _contiguous_strides(self.workspace[0])[:4]
-            l_strides = _contiguous_strides(self.workspace[1])[:4]
+            o_strides = contiguous_strides(self.workspace[0])[:4]
+            l_strides = contiguous_strides(self.workspace[1])[:4]
             if varlen:  # the kernel indexes packed tokens with batch stride 0
                 o_strides = (o_strides[0], 0, *o_strides[2:])
                 l_strides = (l_strides[0], 0, *l_strides[2:])
@@ -352,20 +352,12 @@ class FwdPlan:
             self.fwd(self.grid, *args)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= size
-    return tuple(reversed(strides))
-
-
 def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
                     l_dtype) -> tuple[Launch, tuple, tuple]:
     """The merge of the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1):
     its launch, grid and integer arguments."""
     (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
-    po, pl = _contiguous_strides(workspace[0]), _contiguous_strides(l_shape)
+    po, pl = contiguous_strides(workspace[0]), contiguous_strides(l_shape)
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)

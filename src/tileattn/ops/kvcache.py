@@ -41,6 +41,7 @@ import torch
 
 from . import _validate as V
 from ._custom import attention
+from .backend import backend_for, backend_name
 from .rotary import apply_rotary
 
 __all__ = ["flash_attn_with_kvcache", "append_to_cache"]
@@ -97,11 +98,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
 
     seqused_k = cache_seqlens
-    if rotary_cos is not None:
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, per_token_q)
     if k is not None:
-        append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
-        seqused_k = cache_seqlens + new_tokens
+        q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                               rotary_interleaved, per_token_q)
     q = V.last_dim_contiguous(q)
     if cache_leftpad is not None:
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
@@ -132,6 +131,29 @@ def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad
                          max_seqlen_q=seqlen_q, max_seqlen_k=slots, seqused_k=seqused_k - leftpad,
                          num_splits=num_splits)
     return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+
+
+def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
+            per_token_q: bool):
+    """Write the new keys and values into the cache (rotated first when ``cos``/``sin`` are
+    given, and q with them); returns q and the number of keys each sequence then has.
+
+    The Triton backend does it in one kernel (``tileattn.gpu.append_kv``), which also writes the
+    new lengths; the torch ops below do it elsewhere, and under torch.compile, which traces them.
+    """
+    if backend_name(k.device) == "triton" and not torch.compiler.is_compiling():
+        seqused = torch.empty(cache_seqlens.shape, dtype=cache_seqlens.dtype, device=cache_seqlens.device)
+        fuse_q = cos is not None and q.shape[1] == k.shape[1]  # the kernel rotates query token i beside key i
+        if cos is not None and not fuse_q:
+            q, _ = _rotate(q, k[:, :0], cos, sin, cache_seqlens, interleaved, per_token_q)  # q alone
+        q_rot = backend_for(k.device).append_kv(
+            k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=cos, rotary_sin=sin,
+            interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused)
+        return (q if q_rot is None else q_rot), seqused
+    if cos is not None:
+        q, k = _rotate(q, k, cos, sin, cache_seqlens, interleaved, per_token_q)
+    append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return q, cache_seqlens + k.shape[1]
 
 
 def _rotate(q, k, cos, sin, cache_seqlens, interleaved: bool, per_token_q: bool):
