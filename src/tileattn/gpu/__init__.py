@@ -1,11 +1,12 @@
 """The Triton backend: launchers for the jit kernels of ``tileattn.kernels``.
 
 Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``; and
-``append_kv``, the one-launch append of a decoding step's keys and values to its cache.
+``append_kv``, the one-launch append of a decoding step's keys and values to its cache, and
+``plan_fwd``, the forward's launch plan for callers that launch it many times (``DecodePlan``).
 """
 
-from .attention import attn_fwd
+from .attention import attn_fwd, plan_fwd
 from .backward import attn_bwd
 from .kvcache import append_kv
 
-__all__ = ["attn_fwd", "attn_bwd", "append_kv"]
+__all__ = ["attn_fwd", "attn_bwd", "append_kv", "plan_fwd"]

@@ -33,7 +33,7 @@ from ._launch import Launch, contiguous_strides, int_class, launch_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
-__all__ = ["attn_fwd", "clear_plans", "FwdPlan"]
+__all__ = ["attn_fwd", "plan_fwd", "clear_plans", "FwdPlan"]
 
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
@@ -163,13 +163,25 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         return
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = FwdPlan(key)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = _PLANS.get(key) or _new_plan(key)
     plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+
+
+def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1) -> "FwdPlan":
+    """The plan ``attn_fwd`` would launch for these arguments, for a caller that launches it
+    many times itself (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
+    key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, seqused_k, block_table, num_splits)
+    return _PLANS.get(key) or _new_plan(key)
+
+
+def _new_plan(key: tuple) -> "FwdPlan":
+    plan = FwdPlan(key)
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -255,12 +267,12 @@ class FwdPlan:
         split_kv = num_splits > 1
         self.num_splits = num_splits
 
-        self.workspace = None
+        self.workspace_shapes = None
         if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
             rows_b, rows_s = (1, q_shape[0]) if varlen else (batch, seqlen_q)
-            self.workspace = ((num_splits, rows_b, rows_s, nheads, head_dim), (num_splits, rows_b, nheads, rows_s))
-            o_strides = contiguous_strides(self.workspace[0])[:4]
-            l_strides = contiguous_strides(self.workspace[1])[:4]
+            self.workspace_shapes = ((num_splits, rows_b, rows_s, nheads, head_dim), (num_splits, rows_b, nheads, rows_s))
+            o_strides = contiguous_strides(self.workspace_shapes[0])[:4]
+            l_strides = contiguous_strides(self.workspace_shapes[1])[:4]
             if varlen:  # the kernel indexes packed tokens with batch stride 0
                 o_strides = (o_strides[0], 0, *o_strides[2:])
                 l_strides = (l_strides[0], 0, *l_strides[2:])
@@ -313,14 +325,14 @@ class FwdPlan:
         self.combine = None
         if split_kv:
             self.combine, self.combine_grid, self.combine_ints = _combine_launch(
-                self.workspace, varlen, o_stride, l_stride, head_dim, head_dim_pad, o_dtype, l_dtype)
+                self.workspace_shapes, varlen, o_stride, l_stride, head_dim, head_dim_pad, o_dtype, l_dtype)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-            block_table) -> None:
-        """Launch the plan on one call's tensors (they must have the plan's key)."""
-        if self.workspace is not None:
-            o_dst = torch.empty(self.workspace[0], device=q.device, dtype=torch.float32)
-            l_dst = torch.empty(self.workspace[1], device=q.device, dtype=torch.float32)
+            block_table, workspace: tuple | None = None) -> None:
+        """Launch the plan on one call's tensors (they must have the plan's key). ``workspace``:
+        the split partials' buffers from ``new_workspace``, else they are allocated here."""
+        if self.workspace_shapes is not None:
+            o_dst, l_dst = workspace or self.new_workspace(q.device)
         else:
             o_dst, l_dst = out, lse
         dropout_p = params.dropout_p
@@ -334,6 +346,13 @@ class FwdPlan:
             self._tuned_launch(args)
         if self.combine is not None:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, *self.combine_ints)
+
+    def new_workspace(self, device) -> tuple | None:
+        """fp32 buffers for the split partial states (o, lse), or None without splits."""
+        if self.workspace_shapes is None:
+            return None
+        return (torch.empty(self.workspace_shapes[0], device=device, dtype=torch.float32),
+                torch.empty(self.workspace_shapes[1], device=device, dtype=torch.float32))
 
     def _use_config(self, config: triton.Config) -> None:
         self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs),

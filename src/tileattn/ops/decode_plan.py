@@ -1,0 +1,135 @@
+"""A decoding step planned once and run per layer: ``DecodePlan`` (FlashInfer's plan/run split).
+
+Every layer of a decoding step attends with the same batch, cache lengths, block table and
+options; only q, the layer's cache and its new keys differ. ``flash_attn_with_kvcache`` checks
+all of it and works the launch out on every call; a serving loop can do that once per step::
+
+    plan = tileattn.DecodePlan(q, k_caches[0], v_caches[0], cache_seqlens, block_table,
+                               seqlen_new=1, causal=True)           # once per step
+    for layer in range(n_layers):
+        out = plan.run(q[layer], k_caches[layer], v_caches[layer], k=k_new[layer], v=v_new[layer])
+
+``plan.run(...)`` returns what ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...,
+cache_seqlens=cache_seqlens, block_table=block_table, ...)`` returns, bit for bit. The plan
+checks the inputs and the cache lengths and table once, works out the split layout and the
+kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once (the
+layers run one after the other on the stream, so they share it); ``run`` only compares each
+layer's tensors with the planned shapes and launches: the append of the new keys (rotated
+when asked) and attention, no host-device synchronisation, so a step can be captured in a
+CUDA graph. Not planned: ``cache_batch_idx``, ``cache_leftpad`` (use
+``flash_attn_with_kvcache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from ._custom import attention
+from .backend import backend_for, backend_name
+from .kvcache import _append, _cache_lengths
+from .rotary import check_rotary
+from .varlen import _check_block_table, _check_pool
+
+__all__ = ["DecodePlan"]
+
+
+class DecodePlan:
+    """One decoding step's attention, planned for every layer (see the module docstring).
+
+    ``q``, ``k_cache``, ``v_cache`` are any one layer's (their shapes, strides, dtype and device
+    are what every layer's must have); ``seqlen_new`` is how many tokens each layer appends
+    (0: none), each layer passing ``k``, ``v`` of shape (batch, seqlen_new, nheads_k, headdim).
+    The other arguments mean what they mean to ``flash_attn_with_kvcache``.
+    """
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
+                 rotary_cos=None, rotary_sin=None, rotary_interleaved=True, softmax_scale=None, causal=False,
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
+        V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
+        if not isinstance(seqlen_new, int) or isinstance(seqlen_new, bool) or seqlen_new < 0:
+            V.fail(ValueError, f"seqlen_new must be an int >= 0, got {seqlen_new!r}")
+        if not isinstance(num_splits, int) or num_splits < 0:
+            V.fail(ValueError, f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+        batch = q.shape[0]
+        _check_pool(k_cache, v_cache, q)
+        V.check_qkv(q, k_cache, v_cache, packed=False)
+        paged = block_table is not None
+        if paged:
+            _check_block_table(block_table, batch, q.device)
+            capacity = block_table.shape[1] * k_cache.shape[1]
+        else:
+            if k_cache.shape[0] != batch:
+                V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
+            capacity = k_cache.shape[1]
+        cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+        if (rotary_cos is None) != (rotary_sin is None):
+            V.fail(ValueError, "pass both rotary_cos and rotary_sin, or neither")
+        rotary_len = None
+        if rotary_cos is not None:
+            if not seqlen_new:
+                V.fail(ValueError, "rotary_cos/rotary_sin rotate the new k and q: plan with seqlen_new > 0")
+            if q.shape[1] != seqlen_new:
+                V.fail(ValueError, f"with rotary embedding q and the new k must have one seqlen, got {q.shape[1]} "
+                                   f"and {seqlen_new}")
+            rotary_len = check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
+        V.check_cache_values(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                             rotary_len=rotary_len)
+        self.params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                    softcap=softcap, dropout_p=0.0)
+        self.alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+        self.cache_seqlens, self.block_table, self.seqlen_new = cache_seqlens, block_table, seqlen_new
+        self.seqused_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+        self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, causal or tuple(window_size) != (-1, -1))
+        self.return_softmax_lse, self.num_splits, self.capacity = return_softmax_lse, num_splits, capacity
+        q = V.last_dim_contiguous(q)
+        self._shapes = self._signature(q, k_cache, v_cache)
+        self._new_shape = (batch, seqlen_new, *k_cache.shape[2:])
+        self._lse_shape = (batch, q.shape[2], q.shape[1])
+        self._fwd = self._workspace = None
+        if backend_name(q.device) == "triton":
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
+            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+            self._fwd = backend_for(q.device).plan_fwd(
+                q, k_cache, v_cache, out, lse, params=self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
+                max_seqlen_k=capacity, seqused_k=self.seqused_k, block_table=block_table, num_splits=num_splits)
+            self._workspace = self._fwd.new_workspace(q.device)
+
+    @staticmethod
+    def _signature(q, k_cache, v_cache) -> tuple:
+        return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+                k_cache.dtype, v_cache.dtype)
+
+    def run(self, q, k_cache, v_cache, k=None, v=None):
+        """One layer's attention: out (batch, seqlen_q, nheads, headdim), or ``(out, lse)``.
+
+        q and the caches must have the shapes, strides, dtype and device the plan was made with;
+        ``k``, ``v`` are the layer's new keys and values when the plan has ``seqlen_new > 0``.
+        """
+        q = V.last_dim_contiguous(q)
+        if self._signature(q, k_cache, v_cache) != self._shapes:
+            V.fail(ValueError, "q, k_cache, v_cache differ from the tensors the plan was made with (shape, strides, "
+                               "dtype or device): make a new DecodePlan")
+        if self.seqlen_new:
+            for name, t in (("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._new_shape or t.dtype != k_cache.dtype \
+                        or t.device != k_cache.device:
+                    V.fail(ValueError, f"the plan appends {name} of shape {self._new_shape} ({k_cache.dtype}, "
+                                       f"{k_cache.device}), got {getattr(t, 'shape', t)}")
+            cos, sin, interleaved, per_token_q = self.rotary
+            q, _ = _append(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, cos, sin, interleaved,
+                           per_token_q)
+        elif k is not None or v is not None:
+            V.fail(ValueError, "the plan was made with seqlen_new=0: it appends no k, v")
+        if self._fwd is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+            self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, None, None, self.seqused_k,
+                          self.block_table, self._workspace)
+        else:
+            out, lse = attention(q, k_cache, v_cache, self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
+                                 max_seqlen_k=self.capacity, seqused_k=self.seqused_k, block_table=self.block_table,
+                                 num_splits=self.num_splits)
+        return (out, lse) if self.return_softmax_lse else out

@@ -1,0 +1,97 @@
+"""``tileattn.DecodePlan``: a decoding step planned once, run per layer, equal to flash_attn_with_kvcache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileattn
+
+
+def _layers(gen, n_layers, batch, cap, paged, device, dtype=torch.float16):
+    """Per layer: (q, k_cache, v_cache, k_new, v_new); cache slots past the lengths are NaN."""
+    lens = torch.tensor([5, 17, 30][:batch], dtype=torch.int32)
+    # one block table for the step (pages of 8 from a shuffled pool of 16), shared by every layer
+    table = torch.randperm(16, generator=gen)[:batch * cap // 8].view(batch, cap // 8).to(torch.int32)
+    layers = []
+    for _ in range(n_layers):
+        q = torch.randn(batch, 1, 4, 32, generator=gen).to(dtype)
+        kv = [torch.randn(batch, cap, 2, 32, generator=gen).to(dtype) for _ in range(2)]
+        for t in kv:
+            for b in range(batch):
+                t[b, lens[b]:] = float("nan")
+        new = [torch.randn(batch, 1, 2, 32, generator=gen).to(dtype) for _ in range(2)]
+        if paged:
+            pools = [torch.full((16, 8, 2, 32), float("nan"), dtype=dtype) for _ in range(2)]
+            for pool, t in zip(pools, kv):
+                for b in range(batch):
+                    for p in range(cap):
+                        pool[table[b, p // 8], p % 8] = t[b, p]
+            kv = pools
+        layers.append([x.to(device) for x in (q, *kv, *new)])
+    return lens.to(device), table.to(device) if paged else None, layers
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_plan_runs_each_layer_as_flash_attn_with_kvcache(device, paged, rotary):
+    gen = torch.Generator().manual_seed(81)
+    lens, table, layers = _layers(gen, 2, 3, 32, paged, device)
+    opts = dict(causal=True, softcap=0.0, num_splits=0)
+    if rotary:
+        angles = torch.rand(40, 8, generator=gen) * 6.3
+        opts.update(rotary_cos=angles.cos().to(device), rotary_sin=angles.sin().to(device), rotary_interleaved=False)
+    plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, return_softmax_lse=True, **opts)
+    for q, k_cache, v_cache, k_new, v_new in layers:
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                return_softmax_lse=True, **opts)
+        got = plan.run(q, k_cache, v_cache, k=k_new, v=v_new)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+        assert not got[0].isnan().any()
+
+
+def test_plan_rejects_a_layer_it_was_not_made_for():
+    gen = torch.Generator().manual_seed(82)
+    lens, _, layers = _layers(gen, 1, 2, 32, False, "cpu", torch.float32)
+    q, k_cache, v_cache, k_new, v_new = layers[0]
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, seqlen_new=1)
+    with pytest.raises(ValueError, match="differ from the tensors the plan was made with"):
+        plan.run(q.double(), k_cache, v_cache, k=k_new, v=v_new)
+    with pytest.raises(ValueError, match="the plan appends k"):
+        plan.run(q, k_cache, v_cache, k=k_new[:, :0], v=v_new)
+    with pytest.raises(ValueError, match="seqlen_new=0"):
+        tileattn.DecodePlan(q, k_cache, v_cache, lens).run(q, k_cache, v_cache, k=k_new, v=v_new)
+    with pytest.raises(IndexError, match="appending 3 tokens"):
+        tileattn.DecodePlan(q, k_cache, v_cache, torch.tensor([5, 30], dtype=torch.int32), seqlen_new=3)
+
+
+@pytest.mark.gpu
+def test_planned_step_replays_from_a_cuda_graph():
+    """Plan outside, capture two layers' runs, replay: equal to the eager runs, which never
+    synchronise with the device (sync debug mode "error")."""
+    gen = torch.Generator().manual_seed(83)
+    lens, table, layers = _layers(gen, 2, 3, 32, True, "cuda", torch.bfloat16)
+    pools = [(k.clone(), v.clone()) for _, k, v, _, _ in layers]
+    plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, causal=True)
+    plan.run(layers[0][0], *pools[0], k=layers[0][3], v=layers[0][4])  # compiles outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = [plan.run(q, k, v, k=kn, v=vn) for (q, _, _, kn, vn), (k, v) in zip(layers, pools)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
+    graph.replay()
+    torch.cuda.synchronize()
+    for s, e in zip(static, eager):
+        torch.testing.assert_close(s, e, rtol=0, atol=0)
