@@ -82,3 +82,13 @@ def test_cpu_overhead_script_runs():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("decode", "prefill", "varlen"))]
     assert len(rows) == 4 and all(float(row.split()[-1]) > 0 for row in rows), proc.stdout
+
+
+def test_host_launch_times_triton_and_direct_launches():
+    """host_launch.py runs Triton's launch path on a stand-in driver; the direct launch is taken
+    (the script asserts it) and every case prints its three timings."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_launch.py"), "--calls", "20", "--repeat", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert len(rows) == 3 and all(float(r[-1]) > 0 for r in rows), proc.stdout

@@ -1,0 +1,135 @@
+"""Host cost of launching the attention forward, measured on a CPU without a GPU.
+
+A stand-in driver and compiled kernel (whose launcher does nothing) let Triton's own
+``JITFunction.run`` run on the CPU, so its per-launch Python is timed exactly as a GPU host
+runs it, less the driver's own launch (``cuLaunchKernel`` and the argument packing in C, a
+few µs). For a decoding step (batch 1, GQA 32/8, hdim 128, bf16, 8k keys, split in 16 or not)
+and a 512-token prefill (forward only) it prints the median µs per call of:
+
+* ``triton launch``: one ``kernel[grid](...)`` through ``JITFunction.run``, as every launch
+  went before the launch fast path (``tileattn.gpu._launch``);
+* ``direct launch``: the same launch through ``_launch.Launch`` once it holds the kernel;
+* ``attn_fwd``: the whole launcher (plan lookup, split workspace, forward and combine
+  launches), every launch direct.
+
+The ops layer (``flash_attn_with_kvcache``'s checks) is not included: overhead.py times whole
+calls on the GPU.
+
+    python benchmarks/host_launch.py [--calls 2000] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # real JITFunctions, not the interpreter
+
+import torch  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import CompiledKernel  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+import tileattn.gpu._launch as L  # noqa: E402
+import tileattn.gpu.attention as A  # noqa: E402
+from tileattn.ops.backend import AttnParams  # noqa: E402
+
+
+class _Compiled(CompiledKernel):
+    """A compiled kernel whose launcher does nothing (no binary, no device)."""
+
+    def __init__(self):
+        self.function, self.packed_metadata, self.module, self.src, self.name = 0, (4, 1, 0), object(), None, "k"
+        self._run = lambda *args: None
+
+
+class _Driver:
+    """Enough of a CUDA driver for ``JITFunction.run`` to bind, key and look kernels up."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+
+class _Kernels:
+    """A JITFunction whose first launch of each variant puts a stand-in compiled kernel into its
+    cache, under the key Triton computes (read from its compile hook, which skips compiling)."""
+
+    def __init__(self, fn):
+        self.fn, self.params, self.arg_names = fn, fn.params, fn.arg_names
+        self.do_not_specialize = fn.do_not_specialize
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            keys = []
+            knobs.runtime.jit_cache_hook = lambda **info: keys.append(info["key"]) or True
+            try:
+                self.fn[grid](*args, **meta)
+            finally:
+                knobs.runtime.jit_cache_hook = None
+            if keys:
+                self.fn.device_caches[0][0][keys[0]] = _Compiled()
+            return self.fn[grid](*args, **meta)
+        return run
+
+
+def median_us(fn, calls: int, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def cases():
+    dt = torch.bfloat16
+    q = torch.randn(1, 1, 32, 128, dtype=dt)
+    kc = torch.randn(1, 8192, 8, 128, dtype=dt)
+    lens = torch.full((1,), 8192, dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty((1, 32, 1))
+    for splits in (1, 16):
+        yield f"decode 8k, {splits} split(s)", (q, kc, kc, out, lse), dict(seqused_k=lens, num_splits=splits)
+    qp = torch.randn(4, 512, 16, 128, dtype=dt)
+    yield "prefill 512", (qp, qp, qp, torch.empty_like(qp), torch.empty((4, 16, 512))), {}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+    driver.set_active(_Driver())
+    L._current_device = lambda: 0
+    L._current_stream = lambda device: 0
+    os.environ["TILEATTN_AUTOTUNE"] = "0"  # one config: nothing to time on a stand-in kernel
+    real = A._attn_fwd_kernel
+    A._attn_fwd_kernel, A._combine_kernel = _Kernels(real), _Kernels(A._combine_kernel)
+    params = AttnParams(128**-0.5)
+    print(f"{'case':24s} {'triton launch':>14s} {'direct launch':>14s} {'attn_fwd':>10s}   (µs per call, median)")
+    for name, tensors, opts in cases():
+        A.clear_plans()
+        A.attn_fwd(*tensors, params=params, **opts)
+        plan = next(iter(A._PLANS.values()))
+        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None,
+                    opts.get("seqused_k"), None, *plan.ints, 0.1, 0.0, -1, -1, 0, 0, 1.0)
+        meta = {**plan.fwd.constexprs, **plan.fwd.options}
+        triton_us = median_us(lambda: real[plan.grid](*fwd_args, **meta), args.calls, args.repeat)
+        direct_us = median_us(lambda: plan.fwd(plan.grid, *fwd_args), args.calls, args.repeat)
+        call_us = median_us(lambda: A.attn_fwd(*tensors, params=params, **opts), args.calls, args.repeat)
+        assert plan.fwd.fast_calls > 0, "the direct launch was not taken"
+        print(f"{name:24s} {triton_us:14.1f} {direct_us:14.1f} {call_us:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
