@@ -27,7 +27,7 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
-__all__ = ["Launch", "contiguous_strides", "int_class", "launch_for"]
+__all__ = ["Launch", "config_options", "contiguous_strides", "int_class", "launch_for"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -42,7 +42,7 @@ def int_class(fn, first: int, values) -> tuple:
     range for those the kernel does not specialise (``do_not_specialize``)."""
     loose = getattr(fn, "do_not_specialize", None)
     if loose is None:  # the interpreter's InterpretedFunction keeps the decorator's arguments
-        loose = fn.kwargs.get("do_not_specialize", ())
+        loose = fn.kwargs.get("do_not_specialize") or ()
     names = fn.arg_names[first:first + len(values)]
     return tuple((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX)
                  for name, v in zip(names, values))
@@ -56,6 +56,12 @@ def launch_for(fn, constexprs: dict, options: dict, signature: tuple) -> "Launch
     if launch is None:
         launch = _LAUNCHES[key] = Launch(fn, constexprs, options)
     return launch
+
+
+def config_options(config) -> dict:
+    """The launch options of an autotuner config (num_warps, num_stages, ...), as the autotuner
+    passes them, without its constexprs."""
+    return {name: value for name, value in config.all_kwargs().items() if name not in config.kwargs}
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:

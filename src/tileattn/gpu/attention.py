@@ -29,7 +29,7 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import Launch, contiguous_strides, int_class, launch_for
+from ._launch import Launch, config_options, contiguous_strides, int_class, launch_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -217,10 +217,6 @@ class FwdPlan:
          mask_left, mask_right, has_softcap, has_dropout) = key
         varlen = cu_q is not None
         paged = table is not None
-        if num_splits < 0:
-            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-        if paged and seqused is None:
-            raise ValueError("a paged KV cache (block_table) needs seqused_k")
         if varlen:
             batch = cu_q[0] - 1
             _, nheads, head_dim = q_shape
@@ -355,8 +351,8 @@ class FwdPlan:
                 torch.empty(self.workspace_shapes[1], device=device, dtype=torch.float32))
 
     def _use_config(self, config: triton.Config) -> None:
-        self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs),
-                              dict(num_warps=config.num_warps, num_stages=config.num_stages), self._signature)
+        self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs), config_options(config),
+                              self._signature)
         self.grid = self._grid(config.kwargs["BLOCK_M"])
 
     def _tuned_launch(self, args) -> None:

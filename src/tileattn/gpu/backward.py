@@ -14,12 +14,18 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
+from ._launch import config_options, contiguous_strides, int_class, launch_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_bwd"]
 
 _MAX_GRID_YZ = 65535
 _PREPROCESS_BLOCK = 64
+MAX_PLANS = 1024  # launch plans kept (shape classes); all are dropped when full
+_PLANS: dict[tuple, "BwdPlan"] = {}
+_PRE_FIRST_INT = _attn_bwd_preprocess.arg_names.index("stride_ob")  # where a plan's integers start
+_FIRST_INT = {"dkdv": _attn_bwd_dkdv_kernel.arg_names.index("stride_qb"),
+              "dq": _attn_bwd_dq_kernel.arg_names.index("stride_qb")}
 
 
 def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
@@ -96,19 +102,6 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
-def _rows_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a (B, S, H, D) or packed (T, H, D) tensor."""
-    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
-
-
-def _launch(kernel: Tuned, fixed: triton.Config | None, grid, args: tuple, meta: dict, dtype: torch.dtype) -> None:
-    """Run an autotuned kernel, or its plain jit function with the ``fixed`` config."""
-    if fixed is None:
-        kernel.launch(grid, tuple(meta[name] for name in _TUNE_KEY) + (dtype,), args, meta)
-    else:
-        kernel.fn[grid](*args, **meta, **fixed.all_kwargs())
-
-
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              deterministic=False) -> None:
@@ -121,59 +114,139 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     walks the query heads of its group one after the other), and no atomics are used. The
     gradients are therefore bitwise reproducible run after run; ``deterministic=True`` also pins
     the tile configuration (no autotuning), so they match across processes as well.
+
+    As the forward's, the launches are planned once per shape class (``BwdPlan``).
     """
-    varlen = cu_seqlens_q is not None
-    # validated by tileattn.ops (shapes, head dim, grid limits) and by its autograd (strides)
-    assert varlen == (cu_seqlens_k is not None) and q.shape[-1] <= 256
-    assert all(t.stride(-1) == 1 for t in (q, k, v, out, dq, dk, dv))
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
-    head_dim = q.shape[-1]
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        lse_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        lse_strides = lse.stride()
-    assert batch <= _MAX_GRID_YZ and nheads <= _MAX_GRID_YZ
-    if batch == 0 or seqlen_q == 0 and seqlen_k == 0:
-        return
+    key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), lse.shape, lse.stride(),
+           dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, dq.dtype, dk.dtype,
+           dv.dtype, lse.dtype, q.device,
+           None if cu_seqlens_q is None else (cu_seqlens_q.numel(), cu_seqlens_q.dtype),
+           None if cu_seqlens_k is None else cu_seqlens_k.dtype,
+           None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
+           max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
+           params.dropout_p > 0, bool(deterministic))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = BwdPlan(key)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
 
-    # workspaces shaped like lse: delta = rowsum(dO * O) and lse2 = log2(e) lse (+inf if empty)
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    ws_strides = (0, delta.stride(0)) if varlen else (delta.stride(0), delta.stride(1))
-    head_dim_p = max(16, triton.next_power_of_2(head_dim))
-    if seqlen_q > 0:
-        _attn_bwd_preprocess[(triton.cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)](
-            out, dout, lse, delta, lse2, cu_seqlens_q,
-            *_rows_strides(out, varlen), *_rows_strides(dout, varlen), *lse_strides, *ws_strides, seqlen_q,
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK, IS_VARLEN=varlen)
 
-    p = float(params.dropout_p)
-    has_alibi = alibi_slopes is not None
-    scalars = (seqlen_q, seqlen_k, nheads, float(params.softmax_scale), float(params.softcap),
-               int(params.window_left), int(params.window_right), int(params.dropout_seed) % 2**32,
-               keep_threshold(p), 1.0 / (1.0 - p) if p > 0 else 1.0)
-    meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, IS_VARLEN=varlen,
-                HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=has_alibi, HAS_DROPOUT=p > 0,
-                MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
-                DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    alibi_strides = alibi_slopes.stride() if has_alibi else (0, 0)
-    common = (cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-              *_rows_strides(q, varlen), *_rows_strides(k, varlen), *_rows_strides(v, varlen),
-              *_rows_strides(dout, varlen))
-    fixed = deterministic or interpreting() or not autotune_enabled()
-    bucket = length_bucket(seqlen_q, seqlen_k)
-    if seqlen_k > 0:
-        _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,), q.element_size())[0] if fixed else None,
+class BwdPlan:
+    """The three backward launches of one shape class, built from ``attn_bwd``'s key alone."""
+
+    def __init__(self, key: tuple):
+        (do_stride, q_shape, q_stride, k_shape, k_stride, v_stride, o_stride, lse_shape, lse_stride,
+         dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, max_seqlen_q, max_seqlen_k,
+         window_left, window_right, has_softcap, has_dropout, deterministic) = key
+        q_dtype = dtypes[0]
+        varlen = cu_q is not None
+        head_dim = q_shape[-1]
+        # validated by tileattn.ops (shapes, head dim, grid limits) and by its autograd (strides)
+        assert varlen == (cu_k is not None) and head_dim <= 256
+        assert all(stride[-1] == 1 for stride in (q_stride, k_stride, v_stride, o_stride, dq_stride, dk_stride,
+                                                  dv_stride))
+        nheads, nheads_k = q_shape[-2], k_shape[-2]
+        if varlen:
+            batch = cu_q[0] - 1
+            seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+            lse_strides = (0, lse_stride[0], lse_stride[1])
+        else:
+            batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+            lse_strides = lse_stride
+        assert batch <= _MAX_GRID_YZ and nheads <= _MAX_GRID_YZ
+        self.empty = batch == 0 or seqlen_q == 0 and seqlen_k == 0
+        if self.empty:
+            return
+
+        def rows(stride):  # (batch, row, head) strides of a (B, S, H, D) or packed (T, H, D) tensor
+            return (0, stride[0], stride[1]) if varlen else stride[:3]
+
+        # workspaces shaped like lse: delta = rowsum(dO * O) and lse2 = log2(e) lse (+inf if empty)
+        self.lse_shape = lse_shape
+        ws_full = contiguous_strides(lse_shape)
+        ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
+        head_dim_p = max(16, triton.next_power_of_2(head_dim))
+        elem_size = torch.empty((), dtype=q_dtype).element_size()
+        self.preprocess = None
+        if seqlen_q > 0:
+            self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *ws_strides, seqlen_q)
+            self.pre_grid = (triton.cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)
+            self.preprocess = launch_for(
+                _attn_bwd_preprocess, dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK,
+                                           IS_VARLEN=varlen), {},
+                ((dtypes[3], dtypes[4], dtypes[-1], cu_q and cu_q[1]),
+                 int_class(_attn_bwd_preprocess, _PRE_FIRST_INT, self.pre_ints)))
+        self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, IS_VARLEN=varlen,
+                         HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
+                         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+                         DOT_DTYPE=_dot_dtype(q_dtype), DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
+        common = (*rows(q_stride), *rows(k_stride), *rows(v_stride), *rows(do_stride))
+        tail = (*ws_strides, *(alibi[0] if alibi else (0, 0)), seqlen_q, seqlen_k, nheads)
+        fixed = deterministic or interpreting() or not autotune_enabled()
+        bucket = length_bucket(seqlen_q, seqlen_k)
+        tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
+        self.kernels = []
+        if seqlen_k > 0:
+            ints = (*common, *rows(dk_stride), *rows(dv_stride), *tail)
+            self.kernels.append(_PlannedKernel(
+                "dkdv", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
                 lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
-                (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
-                 *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta, q.dtype)
-    if seqlen_q > 0:
-        _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,), q.element_size())[0] if fixed else None,
+                (tensor_dtypes, window_left, window_right)))
+        if seqlen_q > 0:
+            ints = (*common, *rows(dq_stride), *tail)
+            self.kernels.append(_PlannedKernel(
+                "dq", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
                 lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
-                (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
-                 *alibi_strides, *scalars), meta, q.dtype)
+                (tensor_dtypes, window_left, window_right)))
+
+    def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k) -> None:
+        if self.empty:
+            return
+        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        lse2 = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.preprocess is not None:
+            self.preprocess(self.pre_grid, out, dout, lse, delta, lse2, cu_seqlens_q, *self.pre_ints)
+        p = float(params.dropout_p)
+        scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
+                   int(params.window_right), int(params.dropout_seed) % 2**32, keep_threshold(p),
+                   1.0 / (1.0 - p) if p > 0 else 1.0)
+        for kernel in self.kernels:
+            grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
+            kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,
+                    *scalars))
+
+
+class _PlannedKernel:
+    """The dkdv or dq launch of a plan: a fixed config, or the autotuner's choice once it is made."""
+
+    def __init__(self, kind, bucket, fixed, elem_size, head_dim_p, meta, dtype, ints, grid, signature):
+        self.kind, self.meta, self.ints, self._grid = kind, meta, ints, grid
+        kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
+        self._signature = (signature, int_class(kernel, _FIRST_INT[kind], ints))
+        self._tuned = _tuned(kind, bucket)
+        self._tune_key = tuple(meta[name] for name in _TUNE_KEY) + (dtype,)
+        self.launch = None
+        if fixed:
+            self._use(_configs(kind, (head_dim_p,), elem_size)[0])
+
+    def _use(self, config: triton.Config) -> None:
+        kernel = _attn_bwd_dkdv_kernel if self.kind == "dkdv" else _attn_bwd_dq_kernel
+        self.launch = launch_for(kernel, dict(self.meta, **config.kwargs), config_options(config), self._signature)
+        self.grid = self._grid(config.kwargs)
+
+    def __call__(self, args: tuple) -> None:
+        if self.launch is not None:
+            self.launch(self.grid, *args)
+            return
+        config = self._tuned.best(self._tune_key)
+        if config is None:  # the autotuner times the configs the first time its key is seen
+            self._tuned.launch(self._grid, self._tune_key, args, self.meta)
+            self._use(self._tuned.best(self._tune_key))
+        else:
+            self._use(config)
+            self.launch(self.grid, *args)
