@@ -1,7 +1,7 @@
 """Host overhead: what one eager call costs the CPU before its kernels run, and where it goes.
 
 For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
-caches) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it
+caches, with and without the append of a new token, and through a ``DecodePlan``) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it
 prints the wall time per call of a loop of calls (host-bound when the GPU work is shorter),
 the same for the backend launcher alone (no input checks, no custom op), the GPU kernels each
 call launches with their start and duration on the device, and cProfile's top functions by
@@ -78,6 +78,12 @@ def cases():
     lens_app = torch.full((1,), 8000, dtype=torch.int32, device=dev)
     yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, knew, knew,
                                                                                  cache_seqlens=lens_app)
+    lens_paged = torch.full((1,), 8000, dtype=torch.int32, device=dev)
+    yield "decode paged16 + append", lambda: tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, knew, knew,
+                                                                              cache_seqlens=lens_paged,
+                                                                              block_table=table)
+    plan = tileattn.DecodePlan(q, pool_k, pool_v, lens_paged, table, seqlen_new=1)
+    yield "DecodePlan.run paged16 + append", lambda: plan.run(q, pool_k, pool_v, k=knew, v=knew)
     params = tileattn.contract.AttnParams(128 ** -0.5)
     out = torch.empty_like(q)
     lse = torch.empty((1, 32, 1), device=dev, dtype=torch.float32)
@@ -115,7 +121,7 @@ def main():
         print(top_functions(fn, args.calls, args.top))
     print("\nper-call wall time of a loop of eager calls (host-bound when the kernels are shorter)")
     for name, us, launched in rows:
-        print(f"  {name:28s} {us:8.1f} µs   {len(launched)} kernels")
+        print(f"  {name:32s} {us:8.1f} µs   {len(launched)} kernels")
 
 
 if __name__ == "__main__":

@@ -206,3 +206,48 @@ def test_int_class_reads_do_not_specialize_from_either_kind_of_jit_function():
     for fn in (JITFunction(_kernel, do_not_specialize=["m"]), InterpretedFunction(_kernel, do_not_specialize=["m"])):
         assert L.int_class(fn, 1, (16, 16)) == ((False, True, True), (True,))
         assert L.int_class(fn, 1, (1, 2**31)) == ((True, False, True), (False,))
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_equal_triton_launches_and_never_sync():
+    """On the GPU the second call of each shape class launches the kept kernels directly: its
+    outputs equal the first call's bit for bit (forward with and without splits, an autotuned
+    prefill, the backward, the append), and no launch synchronises with the device."""
+    from tileattn import gpu
+    import tileattn.gpu.backward as B
+
+    A.clear_plans()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dt = torch.bfloat16
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=dt, generator=gen)
+    kc, vc = (torch.randn(2, 4096, 8, 128, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    lens = torch.tensor([4000, 77], dtype=torch.int32, device="cuda")
+    qp, kp, vp, dout = (torch.randn(1, 512, 8, 128, device="cuda", dtype=dt, generator=gen) for _ in range(4))
+    causal = AttnParams(128**-0.5, window_right=0)
+
+    def calls():
+        outs = []
+        for splits in (1, 0):
+            out, lse = torch.empty_like(q), torch.empty((2, 32, 1), device="cuda")
+            A.attn_fwd(q, kc, vc, out, lse, params=AttnParams(128**-0.5), seqused_k=lens, num_splits=splits)
+            outs += [out, lse]
+        out, lse = torch.empty_like(qp), torch.empty((1, 8, 512), device="cuda")
+        A.attn_fwd(qp, kp, vp, out, lse, params=causal)
+        grads = [torch.empty_like(t) for t in (qp, kp, vp)]
+        B.attn_bwd(dout, qp, kp, vp, out, lse, *grads, params=causal)
+        k_cache = kc.clone()
+        gpu.append_kv(k_cache, k_cache, q[:, :, :8], q[:, :, :8], lens)
+        return outs + [out, lse, *grads, k_cache[:, 4000], k_cache[:, 77]]
+
+    first = calls()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(first, second):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    launches = {id(x): x for plan in A._PLANS.values() for x in (plan.fwd, plan.combine) if x is not None}
+    assert launches and all(x.fast_calls > 0 for x in launches.values())
+    assert all(k.launch.fast_calls > 0 for plan in B._PLANS.values() for k in plan.kernels)
