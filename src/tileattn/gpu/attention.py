@@ -169,8 +169,9 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
 
 def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1) -> "FwdPlan":
-    """The plan ``attn_fwd`` would launch for these arguments, for a caller that launches it
-    many times itself (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
+    """The plan of the portable kernel for these arguments (the Hopper kernel is never planned:
+    it takes no decoding shapes), for a caller that launches it many times itself
+    (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits)
     return _PLANS.get(key) or _new_plan(key)
