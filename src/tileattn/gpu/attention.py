@@ -29,7 +29,7 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import Launch, config_options, contiguous_strides, int_class, launch_for
+from ._launch import Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -248,19 +248,19 @@ class FwdPlan:
             page_size = 1
             seqlen_k = k_shape[1]
         group = nheads // nheads_k
-        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+        head_dim_pad = max(16, next_power_of_2(head_dim))
         elem_size = torch.empty((), dtype=q_dtype).element_size()
 
         pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
         max_rows = seqlen_q * group if pack_gqa else seqlen_q
         heads_grid = nheads_k if pack_gqa else nheads
         decode = max_rows <= DECODE_MAX_ROWS
-        block_m = max(16, triton.next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
+        block_m = max(16, next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
         block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, elem_size)
         if num_splits == 0:
-            programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
+            programs = batch * heads_grid * cdiv(max_rows, block_m)
             smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size)
-            num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
+            num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
         split_kv = num_splits > 1
         self.num_splits = num_splits
 
@@ -299,7 +299,7 @@ class FwdPlan:
         self.flags = flags
 
         def grid(block_m):
-            return (batch * heads_grid * triton.cdiv(max_rows, block_m), num_splits, 1)
+            return (batch * heads_grid * cdiv(max_rows, block_m), num_splits, 1)
 
         self._grid = grid
         ws_dtype = torch.float32 if split_kv else None
@@ -379,6 +379,6 @@ def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, 
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
     launch = launch_for(_combine_kernel,
                         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                             BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
+                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
                         dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype), int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
     return launch, (batch * seqlen_q * nheads, 1, 1), ints

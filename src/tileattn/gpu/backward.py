@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
-from ._launch import config_options, contiguous_strides, int_class, launch_for
+from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_bwd"]
@@ -170,12 +170,12 @@ class BwdPlan:
         self.lse_shape = lse_shape
         ws_full = contiguous_strides(lse_shape)
         ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
-        head_dim_p = max(16, triton.next_power_of_2(head_dim))
+        head_dim_p = max(16, next_power_of_2(head_dim))
         elem_size = torch.empty((), dtype=q_dtype).element_size()
         self.preprocess = None
         if seqlen_q > 0:
             self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *ws_strides, seqlen_q)
-            self.pre_grid = (triton.cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)
+            self.pre_grid = (cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)
             self.preprocess = launch_for(
                 _attn_bwd_preprocess, dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK,
                                            IS_VARLEN=varlen), {},
@@ -195,13 +195,13 @@ class BwdPlan:
             ints = (*common, *rows(dk_stride), *rows(dv_stride), *tail)
             self.kernels.append(_PlannedKernel(
                 "dkdv", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
-                lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
+                lambda m: (cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (tensor_dtypes, window_left, window_right)))
         if seqlen_q > 0:
             ints = (*common, *rows(dq_stride), *tail)
             self.kernels.append(_PlannedKernel(
                 "dq", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
-                lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
+                lambda m: (cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (tensor_dtypes, window_left, window_right)))
 
     def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k) -> None:

@@ -10,10 +10,9 @@ device memory on the host, so a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.append import _append_kv_kernel
-from ._launch import contiguous_strides, int_class, launch_for
+from ._launch import cdiv, contiguous_strides, int_class, launch_for, next_power_of_2
 
 __all__ = ["append_kv"]
 
@@ -66,10 +65,10 @@ class AppendPlan:
         if q is not None and not rotate_q:
             raise ValueError("append_kv returns a rotated q: pass rotary_cos and rotary_sin with q")
         nheads = q[0][2] if rotate_q else nheads_k
-        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+        head_dim_pad = max(16, next_power_of_2(head_dim))
         heads = max(nheads, nheads_k)
-        block_h = min(triton.next_power_of_2(heads), max(1, _MAX_TILE // head_dim_pad))
-        self.grid = (batch * seqlen_new, triton.cdiv(heads, block_h), 1)
+        block_h = min(next_power_of_2(heads), max(1, _MAX_TILE // head_dim_pad))
+        self.grid = (batch * seqlen_new, cdiv(heads, block_h), 1)
         self.q_shape = q[0] if rotate_q else None
         q_out_stride = contiguous_strides(q[0]) if rotate_q else (0, 0, 0)
         cos_stride = rotary[1] if rotary else (0, 0)
