@@ -249,7 +249,7 @@ class FwdPlan:
             seqlen_k = k_shape[1]
         group = nheads // nheads_k
         head_dim_pad = max(16, next_power_of_2(head_dim))
-        elem_size = torch.empty((), dtype=q_dtype).element_size()
+        elem_size = q_dtype.itemsize
 
         pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
         max_rows = seqlen_q * group if pack_gqa else seqlen_q

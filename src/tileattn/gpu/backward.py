@@ -171,7 +171,7 @@ class BwdPlan:
         ws_full = contiguous_strides(lse_shape)
         ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
         head_dim_p = max(16, next_power_of_2(head_dim))
-        elem_size = torch.empty((), dtype=q_dtype).element_size()
+        elem_size = q_dtype.itemsize
         self.preprocess = None
         if seqlen_q > 0:
             self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *ws_strides, seqlen_q)
