@@ -18,7 +18,9 @@ from triton.runtime.jit import JITFunction
 
 import tileattn.gpu._launch as L
 import tileattn.gpu.attention as A
+from tileattn import reference
 from tileattn.ops.backend import AttnParams
+from tolerance import assert_within, plain_attention
 
 
 G = (4, 1, 1)
@@ -178,24 +180,28 @@ def test_the_autotuned_prefill_plan_keeps_the_chosen_config():
     torch.testing.assert_close(out, before, rtol=0, atol=0)
 
 
-def test_plans_that_specialise_alike_share_one_launch():
-    """A growing dense cache is a new plan each step, but the same compiled kernel: the integer
-    arguments Triton specialises fall in the same classes (1, multiple of 16, i32)."""
+def test_a_growing_dense_cache_keeps_one_plan():
+    """transformers hands flash_attn_func its whole KV cache every step, one key longer each time
+    (a (B, Hk, S, D) tensor seen through a transpose): one plan serves every step, taking the
+    keys' strides and length per call, and each step matches the reference."""
     A.clear_plans()
     gen = torch.Generator().manual_seed(6)
-    q = torch.randn(1, 1, 4, 32, generator=gen)
+    q = torch.randn(2, 1, 4, 32, generator=gen)
     params = AttnParams(32**-0.5)
-    plans = []
-    for keys in (48, 49, 64):
-        k, v = (torch.randn(1, keys, 2, 32, generator=gen) for _ in range(2))
-        out, lse = torch.full_like(q, float("nan")), torch.full((1, 4, 1), float("nan"))
+    for keys in (48, 49, 64, 113):
+        k, v = (torch.randn(2, 2, keys, 32, generator=gen).transpose(1, 2) for _ in range(2))
+        out, lse = torch.full_like(q, float("nan")), torch.full((2, 4, 1), float("nan"))
         A.attn_fwd(q, k, v, out, lse, params=params)
-        plans.append(A._PLANS[A._plan_key(q, k, v, out, lse, params, None, None, None, 0, 0, None, None, 1)])
-    assert plans[0] is not plans[1] and plans[0].fwd is plans[1].fwd is plans[2].fwd
-    wide = torch.randn(1, 48, 2, 33, generator=gen)[..., :32]  # a row stride of 66: not a multiple of 16
+        ref_out, ref_lse = reference.attention_naive(*(t.double().numpy() for t in (q, k, v)))
+        plain_out, plain_lse = plain_attention(q, k, v)
+        assert_within(f"{keys} keys out", out, plain_out, ref_out)
+        assert_within(f"{keys} keys lse", lse, plain_lse, ref_lse)
+    (plan,) = A._PLANS.values()
+    assert plan.kv_per_call
+    wide = torch.randn(2, 48, 2, 33, generator=gen)[..., :32]  # a row stride of 66: not a multiple of 16
     A.attn_fwd(q, wide, wide, out, lse, params=params)
-    plan = A._PLANS[A._plan_key(q, wide, wide, out, lse, params, None, None, None, 0, 0, None, None, 1)]
-    assert plan.fwd is not plans[0].fwd
+    assert len(A._PLANS) == 2 and A._PLANS[A._plan_key(q, wide, wide, out, lse, params, None, None, None, 0, 0, None,
+                                                       None, 1)].fwd is not plan.fwd
 
 
 def _kernel(X, n, m, BLOCK: tl.constexpr):

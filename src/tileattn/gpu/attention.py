@@ -76,6 +76,9 @@ def _prune_configs(configs, named_args, **kwargs):
 _TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
 _PLANS: dict[tuple, "FwdPlan"] = {}
 _FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's integers start here
+# where a call's own key strides and length go among them when the plan takes those per call
+_K_INTS = _attn_fwd_kernel.arg_names.index("stride_kb") - _FWD_FIRST_INT
+_SEQLEN_K_INT = _attn_fwd_kernel.arg_names.index("seqlen_k_arg") - _FWD_FIRST_INT
 _COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 
 
@@ -177,6 +180,11 @@ def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seq
     return _PLANS.get(key) or _new_plan(key)
 
 
+def _stride_class(x: int) -> int:
+    """A stride Triton specialises alike: 1, a multiple of 16, or neither; i64 past i32."""
+    return x if x == 1 else (16 if x % 16 == 0 else 17) + (2**32 if x > 2**31 - 1 else 0)
+
+
 def _new_plan(key: tuple) -> "FwdPlan":
     plan = FwdPlan(key)
     if len(_PLANS) >= MAX_PLANS:
@@ -191,8 +199,19 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
 
     Of the optional tensors: alibi's strides, the batch of cu_seqlens, the block table's width
     and row stride, and each one's dtype (the kernel reads the rest by the layout contract).
+    A dense call with a fixed split count (``flash_attn_func``, as transformers calls it with a
+    KV cache that grows every step) names its keys' length only by ``length_bucket`` and their
+    strides only by how Triton classifies them (``_stride_class``): its plan takes the rest per
+    call, so a growing cache does not make a new plan every step.
     """
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(),
+    if cu_seqlens_q is None and block_table is None and seqused_k is None and num_splits > 0:
+        ks, vs = k.stride(), v.stride()
+        kv = (k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
+              _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(ks[2]),
+              _stride_class(vs[0]), _stride_class(vs[1]), _stride_class(vs[2]))
+    else:
+        kv = (k.shape, k.stride(), v.shape, v.stride())
+    return (q.shape, q.stride(), kv, out.stride(), lse.stride(),
             q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.device,
             None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
             None if cu_seqlens_q is None else (cu_seqlens_q.shape[0], cu_seqlens_q.dtype),
@@ -212,10 +231,16 @@ class FwdPlan:
     """
 
     def __init__(self, key: tuple):
-        (q_shape, q_stride, k_shape, k_stride, v_shape, v_stride, o_stride, l_stride,
+        (q_shape, q_stride, kv, o_stride, l_stride,
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
          alibi, cu_q, cu_k, seqused, table, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, has_softcap, has_dropout) = key
+        self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
+        if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
+            k_shape, v_shape = (kv[0], 0, *kv[1]), (kv[0], 0, *kv[2])
+            k_stride, v_stride, bucket = kv[4:7], kv[7:10], kv[3]
+        else:
+            k_shape, k_stride, v_shape, v_stride = kv
         varlen = cu_q is not None
         paged = table is not None
         if varlen:
@@ -314,7 +339,7 @@ class FwdPlan:
             self.grid = grid(block_m)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
-            self.tuned = _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k))
+            self.tuned = _attn_fwd_tuned(bucket if self.kv_per_call else length_bucket(seqlen_q, seqlen_k))
             self.tune_key = tuple(flags[name] for name in _TUNE_KEY) + (q_dtype,)
         else:  # the first config that fits in shared memory
             self._use_config(_prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
@@ -333,7 +358,11 @@ class FwdPlan:
         else:
             o_dst, l_dst = out, lse
         dropout_p = params.dropout_p
-        args = (q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *self.ints,
+        ints = self.ints
+        if self.kv_per_call:  # this call's key and value strides (k then v, 3 each) and key length
+            ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
+            ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
+        args = (q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *ints,
                 float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
                 params.window_right, params.dropout_seed, keep_threshold(dropout_p),
                 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
