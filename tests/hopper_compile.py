@@ -37,6 +37,7 @@ from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
+from tileattn.gpu import kvcache as append_launcher  # noqa: E402
 from tileattn.kernels import attn_fwd_hopper  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -57,6 +58,9 @@ class Recorder:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+    def __getattr__(self, name):  # arg_names, params, do_not_specialize: the launchers read them
+        return getattr(self.fn, name)
 
 
 def compile_launch(fn, args, kwargs):
@@ -168,29 +172,54 @@ def backward_cases():
     return cases
 
 
+def append_cases():
+    """The KV-cache append: contiguous and paged, with rotary (both pairings, q rotated) or without."""
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(4, 2, 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(4, 2, 32, 128, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([0, 5, 60, 100], dtype=torch.int32)
+    angles = torch.rand(256, 32, generator=g)
+    pool = torch.randn(64, 16, 8, 128, generator=g).to(torch.bfloat16)
+    table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
+    cache = torch.randn(4, 128, 8, 128, generator=g).to(torch.bfloat16)
+    return [("append contiguous", (cache, cache.clone(), k, v, lens), dict(seqused_out=lens.clone())),
+            ("append paged rotary interleaved", (pool, pool.clone(), k, v, lens, table),
+             dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=True, q=q)),
+            ("append contiguous rotary neox fp32", (cache.float(), cache.float(), k.float(), v.float(), lens),
+             dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=False, q=q.float(),
+                  q_per_token=False))]
+
+
 def record(fn, *args, **kwargs):
-    """The launches ``fn(*args, **kwargs)`` makes, each with every tile config it could get."""
+    """The launches ``fn(*args, **kwargs)`` makes; a backward dK/dV or dQ launch once per tile
+    config it could get (the forward's prefill launches are expanded by ``forward_variants``)."""
     launches = []
-    originals = {name: getattr(fwd_launcher, name) for name in ("_attn_fwd_kernel", "_combine_kernel")}
-    original_pre, original_launch = bwd_launcher._attn_bwd_preprocess, bwd_launcher._launch
-
-    def launch(kernel, fixed, grid, args, meta, dtype):
-        kind = "dkdv" if "dkdv" in kernel.fn.__name__ else "dq"
-        for cfg in bwd_launcher._configs(kind, (meta["HEAD_DIM_P"],), args[0].element_size()):  # the pruned set
-            launches.append((kernel.fn, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
-                                               "num_stages": cfg.num_stages}))
-
+    names = {fwd_launcher: ("_attn_fwd_kernel", "_combine_kernel"),
+             bwd_launcher: ("_attn_bwd_preprocess", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
+             append_launcher: ("_append_kv_kernel",)}
+    originals = {(module, name): getattr(module, name) for module, group in names.items() for name in group}
     try:
-        for name, kernel in originals.items():
-            setattr(fwd_launcher, name, Recorder(kernel, launches))
-        bwd_launcher._attn_bwd_preprocess = Recorder(original_pre, launches)
-        bwd_launcher._launch = launch
+        for (module, name), kernel in originals.items():
+            setattr(module, name, Recorder(kernel, launches))
+        for module in names:  # plans made now launch the recorders
+            module.clear_plans()
         fn(*args, **kwargs)
     finally:
-        for name, kernel in originals.items():
-            setattr(fwd_launcher, name, kernel)
-        bwd_launcher._attn_bwd_preprocess, bwd_launcher._launch = original_pre, original_launch
-    return launches
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
+        for module in names:
+            module.clear_plans()
+    expanded = []
+    for kernel, args, meta in launches:
+        kind = {originals[bwd_launcher, "_attn_bwd_dkdv_kernel"]: "dkdv",
+                originals[bwd_launcher, "_attn_bwd_dq_kernel"]: "dq"}.get(kernel)
+        if kind is None:
+            expanded.append((kernel, args, meta))
+            continue
+        for cfg in bwd_launcher._configs(kind, (meta["HEAD_DIM_P"],), args[0].element_size()):  # the pruned set
+            expanded.append((kernel, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
+                                            "num_stages": cfg.num_stages}))
+    return expanded
 
 
 def forward_variants(launches, q):
@@ -276,6 +305,8 @@ def main() -> int:
                                                                          **kwargs), q)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
+    for name, tensors, kwargs in append_cases():
+        todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
         gluon = fn is attn_fwd_hopper._attn_fwd_hopper_kernel

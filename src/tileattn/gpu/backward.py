@@ -17,7 +17,7 @@ from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn
 from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
-__all__ = ["attn_bwd"]
+__all__ = ["attn_bwd", "clear_plans", "BwdPlan"]
 
 _MAX_GRID_YZ = 65535
 _PREPROCESS_BLOCK = 64
@@ -100,6 +100,11 @@ def _dot_dtype(dtype: torch.dtype):
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def clear_plans() -> None:
+    """Forget every backward launch plan (as ``attention.clear_plans``)."""
+    _PLANS.clear()
 
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,

@@ -14,12 +14,17 @@ import torch
 from ..kernels.append import _append_kv_kernel
 from ._launch import cdiv, contiguous_strides, int_class, launch_for, next_power_of_2
 
-__all__ = ["append_kv"]
+__all__ = ["append_kv", "clear_plans", "AppendPlan"]
 
 MAX_PLANS = 1024
 _MAX_TILE = 4096  # elements of one [heads, head dim] tile a program moves at once
 _PLANS: dict[tuple, "AppendPlan"] = {}
 _FIRST_INT = _append_kv_kernel.arg_names.index("stride_knb")
+
+
+def clear_plans() -> None:
+    """Forget every append plan (as ``attention.clear_plans``)."""
+    _PLANS.clear()
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, rotary_cos=None, rotary_sin=None,
