@@ -35,7 +35,7 @@ from triton.runtime import driver  # noqa: E402
 
 import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
-from tileattn.ops.backend import AttnParams  # noqa: E402
+from tileattn.contract import AttnParams  # noqa: E402
 
 
 class _Compiled(CompiledKernel):

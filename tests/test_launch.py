@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 import tileattn.gpu._launch as L
 import tileattn.gpu.attention as A
 from tileattn import reference
-from tileattn.ops.backend import AttnParams
+from tileattn.contract import AttnParams
 from tolerance import assert_within, plain_attention
 
 

@@ -27,9 +27,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .backend import backend_for, backend_name
-from .kvcache import _append, _cache_lengths
-from .rotary import check_rotary
-from .varlen import _check_block_table, _check_pool
+from .kvcache import _append
 
 __all__ = ["DecodePlan"]
 
@@ -46,43 +44,32 @@ class DecodePlan:
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True, softmax_scale=None, causal=False,
                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            V.fail(ValueError, f"q must be 4-D (batch, seqlen_q, nheads, headdim), got {getattr(q, 'shape', q)}")
+        # the checks of flash_attn_with_kvcache, once for the step (the new k, v: in ``run``)
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
-        if not isinstance(seqlen_new, int) or isinstance(seqlen_new, bool) or seqlen_new < 0:
-            V.fail(ValueError, f"seqlen_new must be an int >= 0, got {seqlen_new!r}")
-        if not isinstance(num_splits, int) or num_splits < 0:
-            V.fail(ValueError, f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+        V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
+        seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
+        num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
-        _check_pool(k_cache, v_cache, q)
-        V.check_qkv(q, k_cache, v_cache, packed=False)
         paged = block_table is not None
         if paged:
-            _check_block_table(block_table, batch, q.device)
+            V.check_block_table(block_table, batch, q.device)
             capacity = block_table.shape[1] * k_cache.shape[1]
         else:
             if k_cache.shape[0] != batch:
                 V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
             capacity = k_cache.shape[1]
-        cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
-        if (rotary_cos is None) != (rotary_sin is None):
-            V.fail(ValueError, "pass both rotary_cos and rotary_sin, or neither")
-        rotary_len = None
-        if rotary_cos is not None:
-            if not seqlen_new:
-                V.fail(ValueError, "rotary_cos/rotary_sin rotate the new k and q: plan with seqlen_new > 0")
-            if q.shape[1] != seqlen_new:
-                V.fail(ValueError, f"with rotary embedding q and the new k must have one seqlen, got {q.shape[1]} "
-                                   f"and {seqlen_new}")
-            rotary_len = check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
-        V.check_cache_values(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                             rotary_len=rotary_len)
+        cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+        # rotary needs new keys to rotate: the check asks only whether there are any
+        rotary_len = V.check_rotary(rotary_cos, rotary_sin, k_cache if seqlen_new else None, q.shape[-1], q.device)
         self.params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                     softcap=softcap, dropout_p=0.0)
+        per_token_q = self.params.window_left >= 0 or self.params.window_right >= 0  # causal or local
         self.alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+        V.check_cache_values(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                             rotary_len=rotary_len, rotary_reach=max(seqlen_new, q.shape[1] if per_token_q else 1))
         self.cache_seqlens, self.block_table, self.seqlen_new = cache_seqlens, block_table, seqlen_new
         self.seqused_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
-        self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, causal or tuple(window_size) != (-1, -1))
+        self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, per_token_q)
         self.return_softmax_lse, self.num_splits, self.capacity = return_softmax_lse, num_splits, capacity
         q = V.last_dim_contiguous(q)
         self._shapes = self._signature(q, k_cache, v_cache)
