@@ -1,11 +1,15 @@
 """Ring attention on real gloo process groups (CPU) against the float64 reference.
 
-Each world size (1, 2, 4) is spawned ONCE: its processes run every case and write what
-failed to a file per rank, which the test of that world reads. A case
-shards seeded full-sequence inputs, runs ``ring_flash_attn_func`` forward and backward on every
-rank, and checks this rank's rows of out, lse, dq, dk, dv against the same rows of the float64
-reference under the tolerance rule (tests/tolerance.py), the budget set by plain attention
-in the same dtype on the whole sequence.
+Each world size (1, 2, 3, 4) is spawned ONCE: its processes run every case and write what
+failed to a file per rank, which the test of that world reads. A case draws seeded inputs of
+the whole sequence (or packed batch), shards them, runs the ring function forward and backward
+on every rank, and checks this rank's rows of out, lse, dq, dk, dv against the same rows of the
+float64 reference under the tolerance rule (tests/tolerance.py), the budget set by plain
+attention in the same dtype on the whole sequence (per document for packed batches).
+
+Packed batches are given in units that every world size divides: zigzag documents of
+``units * 2W`` tokens; llama3 documents of the given lengths, the last one padded so that W
+divides the total — documents then straddle rank borders, and zero-length ones sit among them.
 """
 
 from __future__ import annotations
@@ -24,31 +28,66 @@ from tolerance import GRAD_FACTOR, assert_within, plain_attention
 from tileattn.distributed import (
     contiguous_shard,
     contiguous_unshard,
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
     ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
     zigzag_shard,
+    zigzag_shard_varlen,
     zigzag_unshard,
+    zigzag_unshard_varlen,
 )
-from tileattn.distributed.ring import _block
 from tileattn.reference import attention_naive, attention_naive_grad
 
-WORLD_SIZES = (1, 2, 4)
-SPAWN_DEADLINE_S = 180
+WORLD_SIZES = (1, 2, 3, 4)
+DENSE = {("contiguous", None): ring_flash_attn_func, ("contiguous", "kvpacked"): ring_flash_attn_kvpacked_func,
+         ("contiguous", "qkvpacked"): ring_flash_attn_qkvpacked_func, ("zigzag", None): zigzag_ring_flash_attn_func,
+         ("zigzag", "kvpacked"): zigzag_ring_flash_attn_kvpacked_func,
+         ("zigzag", "qkvpacked"): zigzag_ring_flash_attn_qkvpacked_func}
+SPAWN_DEADLINE_S = 240
 
-# seqlen is the LOCAL length per rank; "views" passes non-contiguous (transposed) shards;
-# "pairs" (world 4 only) runs two independent rings of 2 ranks on sub-groups.
+# dense: seqlen is the LOCAL length per rank; "views" passes non-contiguous shards; "pairs" (world
+# 4 only) runs two independent rings of 2 ranks on sub-groups; "form" picks a packed form.
 CASES = {
-    "full-zigzag-gqa": dict(causal=False, layout="zigzag", dtype="float32", batch=2, seqlen=10, heads=(4, 2), hdim=16),
-    "causal-zigzag-mqa": dict(causal=True, layout="zigzag", dtype="float32", batch=2, seqlen=14, heads=(4, 1), hdim=16),
-    "full-contiguous": dict(causal=False, layout="contiguous", dtype="float32", batch=1, seqlen=13, heads=(2, 2), hdim=40),
-    "causal-contiguous-scale": dict(causal=True, layout="contiguous", dtype="float32", batch=2, seqlen=13,
-                                    heads=(4, 2), hdim=16, softmax_scale=0.3),
-    "causal-zigzag-views": dict(causal=True, layout="zigzag", dtype="float32", batch=1, seqlen=74, heads=(2, 1),
-                                hdim=80, views=True),
-    "causal-zigzag-bf16": dict(causal=True, layout="zigzag", dtype="bfloat16", batch=1, seqlen=18, heads=(4, 2), hdim=40),
-    "full-contiguous-bf16": dict(causal=False, layout="contiguous", dtype="bfloat16", batch=1, seqlen=11, heads=(2, 1),
-                                 hdim=16),
-    "causal-zigzag-pairs": dict(causal=True, layout="zigzag", dtype="float32", batch=1, seqlen=12, heads=(2, 2), hdim=16,
-                                pairs=True),
+    # issue 15.6: causal=True on contiguous shards (the old default assumed zigzag: wrong output)
+    "contiguous-causal": dict(kind="contiguous", causal=True, dtype="float32", batch=2, seqlen=13, heads=(4, 2),
+                              hdim=16),
+    "contiguous-full-bf16-kvpacked": dict(kind="contiguous", causal=False, dtype="bfloat16", batch=1, seqlen=11,
+                                          heads=(2, 1), hdim=16, form="kvpacked"),
+    "contiguous-sliding-window": dict(kind="contiguous", causal=True, window=(5, -1), dtype="float32", batch=1,
+                                      seqlen=12, heads=(2, 2), hdim=16),
+    "zigzag-causal-mqa": dict(kind="zigzag", causal=True, dtype="float32", batch=2, seqlen=14, heads=(4, 1), hdim=16),
+    "zigzag-causal-views": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=10, heads=(2, 2),
+                                hdim=40, views=True),
+    "zigzag-full-softcap-scale": dict(kind="zigzag", causal=False, dtype="float32", batch=1, seqlen=10, heads=(4, 2),
+                                      hdim=16, softcap=2.0, softmax_scale=0.3),
+    "zigzag-window-both-sides": dict(kind="zigzag", causal=False, window=(3, 7), dtype="float32", batch=1, seqlen=12,
+                                     heads=(2, 1), hdim=16, softcap=5.0),
+    "zigzag-causal-window-bf16": dict(kind="zigzag", causal=True, window=(9, -1), dtype="bfloat16", batch=1,
+                                      seqlen=18, heads=(4, 2), hdim=40),
+    "zigzag-causal-pairs-qkvpacked": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=12,
+                                          heads=(2, 2), hdim=16, pairs=True, form="qkvpacked"),
+    "zigzag-varlen-causal": dict(kind="zigzag-varlen", causal=True, dtype="float32", units=(3, 0, 1, 2),
+                                 heads=(4, 2), hdim=16),
+    "zigzag-varlen-window-softcap": dict(kind="zigzag-varlen", causal=False, window=(4, 2), softcap=3.0,
+                                         dtype="float32", units=(2, 0, 3), heads=(2, 1), hdim=16),
+    "zigzag-varlen-bf16": dict(kind="zigzag-varlen", causal=True, dtype="bfloat16", units=(1, 3), heads=(2, 2),
+                               hdim=16),
+    "llama3-causal": dict(kind="llama3", causal=True, dtype="float32", docs=(5, 0, 17, 1, 9), heads=(4, 2), hdim=16,
+                          stride=1),
+    "llama3-full": dict(kind="llama3", causal=False, dtype="float32", docs=(7, 13, 0, 6), heads=(2, 2), hdim=16,
+                        stride=2),
+    "llama3-window-softcap": dict(kind="llama3", causal=False, window=(6, 3), softcap=4.0, dtype="float32",
+                                  docs=(11, 2, 0, 14), heads=(4, 2), hdim=16, stride=1),
+    "llama3-causal-alibi-bf16-kvpacked": dict(kind="llama3", causal=True, alibi=True, window=(7, -1),
+                                              dtype="bfloat16", docs=(9, 15, 3), heads=(4, 4), hdim=16, stride=2,
+                                              form="kvpacked"),
 }
 
 
@@ -56,60 +95,140 @@ def _cases_for(world: int):
     return [name for name, c in CASES.items() if not c.get("pairs") or world == 4]
 
 
+# ----------------------------------------------------------------------------- inputs and oracle
+
+
+def _doc_lengths(case, world: int) -> list[int]:
+    if case["kind"] == "zigzag-varlen":
+        return [u * 2 * world for u in case["units"]]
+    if case["kind"] == "llama3":
+        docs = list(case["docs"])
+        docs[-1] += -sum(docs) % world
+        return docs
+    return []
+
+
+def _randn(shape, g, dtype):
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _inputs(case, world: int, seed: int):
+    """Seeded q, k, v, dout of the whole sequence (the same on every rank), alibi slopes or None."""
+    g = torch.Generator().manual_seed(seed)
+    nheads, nheads_k = case["heads"]
+    dtype = getattr(torch, case["dtype"])
+    hdim = case["hdim"]
+    if case["kind"] in ("contiguous", "zigzag"):
+        lead = (case["batch"], case["seqlen"] * world)
+    else:
+        lead = (sum(_doc_lengths(case, world)),)
+    q = _randn(lead + (nheads, hdim), g, dtype)
+    k, v = (_randn(lead + (nheads_k, hdim), g, dtype) for _ in range(2))
+    dout = _randn(lead + (nheads, hdim), g, dtype)
+    slopes = torch.rand(nheads, generator=g) * 0.5 + 0.1 if case.get("alibi") else None
+    return q, k, v, dout, slopes
+
+
+def _oracle(case, q, k, v, dout, slopes, world: int):
+    """(ref64, plain) pairs for out, lse, dq, dk, dv of the whole sequence / packed batch."""
+    opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
+                softmax_scale=case.get("softmax_scale"))
+    alibi = None if slopes is None else slopes.double().numpy()
+
+    def one(qs, ks, vs, ds):  # (B, S, H, D) tensors
+        ref_out, ref_lse = attention_naive(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
+                                           alibi_slopes=alibi, **opts)
+        ref_grads = attention_naive_grad(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
+                                         ds.double().numpy(), alibi_slopes=alibi, **opts)
+        pq, pk, pv = (t.clone().requires_grad_() for t in (qs, ks, vs))
+        plain_out, plain_lse = plain_attention(pq, pk, pv, alibi_slopes=slopes, **opts)
+        plain_grads = torch.autograd.grad(plain_out, (pq, pk, pv), ds)
+        refs = [torch.from_numpy(x) for x in (ref_out, ref_lse, *ref_grads)]
+        return refs, [plain_out.detach(), plain_lse.detach(), *plain_grads]
+
+    if case["kind"] in ("contiguous", "zigzag"):
+        return one(q, k, v, dout)
+    refs, plains = [[] for _ in range(5)], [[] for _ in range(5)]
+    start = 0
+    for n in _doc_lengths(case, world):
+        if n:
+            r, p = one(*(t[start:start + n].unsqueeze(0) for t in (q, k, v, dout)))
+            for i in range(5):  # packed layouts: tokens first, lse (heads, tokens)
+                refs[i].append(r[i][0])
+                plains[i].append(p[i][0])
+        start += n
+    return ([torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(refs)],
+            [torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(plains)])
+
+
 # ----------------------------------------------------------------------------- one case, one rank
 
 
-def _full_inputs(case, world: int, seed: int):
-    """Seeded full-sequence q, k, v, dout (the same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    nheads, nheads_k = case["heads"]
-    batch, seqlen, hdim = case["batch"], case["seqlen"] * world, case["hdim"]
-    dtype = getattr(torch, case["dtype"])
-    q = torch.randn(batch, seqlen, nheads, hdim, generator=g)
-    k = torch.randn(batch, seqlen, nheads_k, hdim, generator=g)
-    v = torch.randn(batch, seqlen, nheads_k, hdim, generator=g)
-    dout = torch.randn(batch, seqlen, nheads, hdim, generator=g)
-    return [t.to(dtype) for t in (q, k, v, dout)]
-
-
-def _local(x, rank, world, layout, views: bool, device):
-    """This rank's shard of x on ``device``; with ``views`` a non-contiguous view (heads-first
-    strides, padded rows) holding the same values."""
-    shard = (zigzag_shard if layout == "zigzag" else contiguous_shard)(x, rank, world, dim=1).to(device)
-    if views:
-        batch, seqlen, nheads, hdim = shard.shape
-        padded = torch.full((batch, nheads, seqlen, hdim + 8), float("nan"), dtype=shard.dtype, device=device)
-        padded[..., :hdim] = shard.transpose(1, 2)
-        shard = padded[..., :hdim].transpose(1, 2)  # (B, S, H, D) view
-        assert not shard.is_contiguous()
-    return shard.detach().requires_grad_()
+def _view(shard):
+    """A non-contiguous view (heads-first strides, padded rows) holding the same values."""
+    batch, seqlen, nheads, hdim = shard.shape
+    padded = torch.full((batch, nheads, seqlen, hdim + 8), float("nan"), dtype=shard.dtype)
+    padded[..., :hdim] = shard.transpose(1, 2)
+    view = padded[..., :hdim].transpose(1, 2)
+    assert not view.is_contiguous()
+    return view
 
 
 def _run_case(name: str, rank: int, world: int, group, device) -> None:
     case = CASES[name]
-    causal, layout, views = case["causal"], case["layout"], case.get("views", False)
-    q, k, v, dout = _full_inputs(case, world, seed=list(CASES).index(name))
-    scale = case.get("softmax_scale")
-    lq, lk, lv = (_local(t, rank, world, layout, views, device) for t in (q, k, v))
-    out, lse = ring_flash_attn_func(lq, lk, lv, causal=causal, softmax_scale=scale, group=group,
-                                    return_lse=True, layout=layout)
-    out.backward(_local(dout, rank, world, layout, False, device))
+    kind, form = case["kind"], case.get("form")
+    q, k, v, dout, slopes = _inputs(case, world, seed=list(CASES).index(name))
+    opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)),
+                softmax_scale=case.get("softmax_scale"), return_attn_probs=True, group=group,
+                softcap=case.get("softcap", 0.0))
+    docs = torch.tensor([0] + _doc_lengths(case, world), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if kind == "contiguous":
+        mine = lambda x, dim=1: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
+    elif kind == "zigzag":
+        mine = lambda x, dim=1: zigzag_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
+    elif kind == "zigzag-varlen":
+        mine = lambda x, dim=0: zigzag_shard_varlen(torch.as_tensor(x), docs, rank, world, dim)  # noqa: E731
+    else:
+        mine = lambda x, dim=0: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
+    local = [mine(t).to(device) for t in (q, k, v)]
+    if case.get("views"):
+        local = [_view(t) for t in local]
+    lq, lk, lv = (t.detach().requires_grad_() for t in local)
+    if kind in ("contiguous", "zigzag"):
+        if kind == "contiguous" and case["causal"] and "window" not in case:
+            # the call a port from ring-flash-attention makes (issue 15.6): no layout argument
+            out = ring_flash_attn_func(lq, lk, lv, causal=True, group=group)
+            _, lse, _ = ring_flash_attn_func(lq.detach(), lk.detach(), lv.detach(), **opts)
+        elif form == "kvpacked":
+            out, lse, _ = DENSE[kind, form](lq, torch.stack([lk, lv], dim=2), **opts)
+        elif form == "qkvpacked":
+            out, lse, _ = DENSE[kind, form](torch.stack([lq, lk, lv], dim=2), **opts)
+        else:
+            out, lse, _ = DENSE[kind, form](lq, lk, lv, **opts)
+    elif kind == "zigzag-varlen":
+        cu = (docs // world).to(device)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        out, lse, _ = zigzag_ring_flash_attn_varlen_func(lq, lk, lv, cu, max_len, **opts)
+    else:
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(docs.to(device), case["causal"],
+                                                                                  rank, world)
+        n_local = cu_q.shape[0] - 1
+        if slopes is not None:  # per-sequence slopes (n_local, nheads): every sequence gets the same here
+            opts["alibi_slopes"] = slopes.to(device).expand(n_local, -1).contiguous()
+        if form == "kvpacked":
+            out, lse, _ = llama3_flash_attn_varlen_kvpacked_func(lq, torch.stack([lk, lv], dim=1), cu_q, cu_k, max_q,
+                                                                 max_k, case["stride"], k_slice, **opts)
+        else:
+            out, lse, _ = llama3_flash_attn_varlen_func(lq, lk, lv, cu_q, cu_k, max_q, max_k, case["stride"], k_slice,
+                                                        **opts)
+    out.backward(mine(dout).to(device))
 
-    ref_out, ref_lse = attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(),
-                                       causal=causal, softmax_scale=scale)
-    ref_grads = attention_naive_grad(q.double().numpy(), k.double().numpy(), v.double().numpy(),
-                                     dout.double().numpy(), causal=causal, softmax_scale=scale)
-    pq, pk, pv = (t.clone().requires_grad_() for t in (q, k, v))
-    plain_out, plain_lse = plain_attention(pq, pk, pv, causal=causal, softmax_scale=scale)
-    plain_grads = torch.autograd.grad(plain_out, (pq, pk, pv), dout)
-
-    def mine(x, dim=1):
-        return (zigzag_shard if layout == "zigzag" else contiguous_shard)(torch.as_tensor(x), rank, world, dim=dim)
-
+    refs, plains = _oracle(case, q, k, v, dout, slopes, world)
+    lse_dim = 1 if kind in ("zigzag-varlen", "llama3") else 2
     assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert_within(f"{name} out", out, mine(plain_out.detach()), mine(ref_out))
-    assert_within(f"{name} lse", lse, mine(plain_lse.detach(), 2), mine(ref_lse, 2))
-    for label, got, plain, ref in zip(("dq", "dk", "dv"), (lq.grad, lk.grad, lv.grad), plain_grads, ref_grads):
+    assert_within(f"{name} out", out, mine(plains[0]), mine(refs[0]))
+    assert_within(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
+    for label, got, plain, ref in zip(("dq", "dk", "dv"), (lq.grad, lk.grad, lv.grad), plains[2:], refs[2:]):
         assert got.dtype == q.dtype
         assert_within(f"{name} {label}", got, mine(plain), mine(ref), factor=GRAD_FACTOR)
 
@@ -130,7 +249,7 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
         try:
             _run_case(name, rank % 2 if pair_case else rank, 2 if pair_case else world, group, device)
             failures[name] = None
-        except Exception:  # recorded and reported by the pytest test of this case
+        except Exception:  # recorded and reported by the pytest test of this world
             failures[name] = traceback.format_exc()
     with open(f"{result_dir}/rank{rank}.json", "w") as f:
         json.dump(failures, f)
@@ -191,47 +310,96 @@ def test_shard_unshard_round_trip(world):
     assert torch.equal(contiguous_unshard(cont), x)
     xt = x.transpose(1, 2)  # the sequence on dim 2
     assert torch.equal(zigzag_unshard([zigzag_shard(xt, r, world, dim=2) for r in range(world)], dim=2), xt)
+    # packed documents of 4W, 0 and 2W tokens, each zigzag-cut on its own
+    cu = torch.tensor([0, 4 * world, 4 * world, 6 * world], dtype=torch.int32)
+    packed = torch.arange(6 * world)
+    shards = [zigzag_shard_varlen(packed, cu, r, world) for r in range(world)]
+    assert torch.equal(shards[0][:4], torch.tensor([0, 1, 4 * world - 2, 4 * world - 1]))
+    assert torch.equal(shards[0][4:], torch.tensor([4 * world, 6 * world - 1]))
+    assert torch.equal(zigzag_unshard_varlen(shards, cu), packed)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_llama3_prepare_cu_seqlens(world, causal):
+    """Each rank's sequences are the documents meeting its rows; keys from the document's start to
+    the end of its rows (causal) or of the document; zero-length documents left out."""
+    lengths = [5, 0, 17, 1, 9 + (-32 % world)]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total = int(cu[-1])
+    per = total // world
+    doc_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = cu[:-1].long()
+    for rank in range(world):
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and int(cu_q[-1]) == per
+        rows = torch.arange(rank * per, (rank + 1) * per)
+        docs = doc_of[rows].unique_consecutive()
+        assert len(cu_q) == len(docs) + 1
+        for b, doc in enumerate(docs.tolist()):
+            q_rows = rows[int(cu_q[b]):int(cu_q[b + 1])]
+            assert (doc_of[q_rows] == doc).all() and len(q_rows) == int((doc_of[rows] == doc).sum())
+            k_lo, k_hi = k_slice.start + int(cu_k[b]), k_slice.start + int(cu_k[b + 1])
+            assert k_lo == starts[doc]
+            assert k_hi == (int(q_rows[-1]) + 1 if causal else int(cu[doc + 1]))
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+
+
+def _global_mask(seqlen, window):
+    wl, wr = window
+    i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    seen = torch.ones(seqlen, seqlen, dtype=torch.bool)
+    if wr >= 0:
+        seen &= j <= i + wr
+    if wl >= 0:
+        seen &= j >= i - wl
+    return seen
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_blocks_cover_the_causal_mask_exactly(world, layout):
-    """The blocks of every (rank, step) tile the global causal mask with no overlap, and with
-    zigzag every rank computes the same number of score entries."""
-    chunk = 3
-    seqlen_local = 2 * chunk
-    seqlen = seqlen_local * world
+@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 0), (0, 3), (2, 5), (7, -1), (-1, 1), (0, 0)])
+def test_plans_cover_the_mask_exactly(world, zigzag, window):
+    """The calls of every (rank, src), each masked the way the backend masks (bottom-right aligned,
+    the moved window), tile the global mask with no overlap; with zigzag and a causal mask every
+    rank computes the same number of score entries; a (rank, src) that sees nothing has no call."""
+    from tileattn.distributed.plan import dense_pairs
+    from tileattn.contract import AttnParams
+
+    local = 6
+    seqlen = local * world
+    params = AttnParams(softmax_scale=1.0, window_left=window[0], window_right=window[1])
     pos = torch.arange(seqlen).view(1, seqlen)
-    shard = zigzag_shard if layout == "zigzag" else contiguous_shard
+    shard = zigzag_shard if zigzag else contiguous_shard
     rows = [shard(pos, r, world)[0] for r in range(world)]  # global positions held by each rank
     covered = torch.zeros(seqlen, seqlen, dtype=torch.int64)
     work = []
     for rank in range(world):
         entries = 0
         for src in range(world):
-            blk = _block(rank, src, seqlen_local, True, layout)
-            if blk is None:
-                continue
-            qi, kj = rows[rank][blk.q], rows[src][blk.kv]
-            seen = torch.ones(len(qi), len(kj), dtype=torch.bool)
-            if blk.causal:
-                assert len(qi) == len(kj)
-                seen = torch.ones_like(seen).tril()
-            covered[qi[:, None], kj[None, :]] += seen.long()
-            entries += len(qi) * len(kj)
+            for pair in dense_pairs(rank, src, world, local, params, zigzag):
+                qi, kj = rows[rank][pair.q], rows[src][pair.kv]
+                off = len(kj) - len(qi)
+                il, jl = torch.arange(len(qi))[:, None], torch.arange(len(kj))[None, :]
+                seen = torch.ones(len(qi), len(kj), dtype=torch.bool)
+                if pair.params.window_right >= 0:
+                    seen &= jl <= il + off + pair.params.window_right
+                if pair.params.window_left >= 0:
+                    seen &= jl >= il + off - pair.params.window_left
+                assert seen.any(), "a call that sees nothing should not be made"
+                covered[qi[:, None], kj[None, :]] += seen.long()
+                entries += len(qi) * len(kj)
         work.append(entries)
-    assert torch.equal(covered, torch.ones(seqlen, seqlen, dtype=torch.int64).tril())
-    if layout == "zigzag":
+    assert torch.equal(covered, _global_mask(seqlen, window).long())
+    if zigzag and window == (-1, 0):
         assert len(set(work)) == 1, work
 
 
 def test_bad_input_raises_before_any_communication():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
-    with pytest.raises(ValueError, match="layout"):
-        ring_flash_attn_func(q, k, v, layout="ring")
     with pytest.raises(ValueError, match="even"):
-        ring_flash_attn_func(q[:, :7], k[:, :7], v[:, :7], layout="zigzag")
+        zigzag_ring_flash_attn_func(q[:, :7], k[:, :7], v[:, :7])
     with pytest.raises(ValueError, match="seqlen_local"):
         ring_flash_attn_func(q, k[:, :6], v[:, :6])
     with pytest.raises(TypeError, match="dtype"):
@@ -240,9 +408,27 @@ def test_bad_input_raises_before_any_communication():
         ring_flash_attn_func(torch.randn(1, 8, 3, 16, generator=g), k, v)
     with pytest.raises(TypeError, match="causal"):
         ring_flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="window_size"):
+        zigzag_ring_flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ring_flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi"):
+        zigzag_ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="kv must be"):
+        ring_flash_attn_kvpacked_func(q, k)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_flash_attn_func(q, k, v, causal=True)
+    packed = q[0]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="even"):
+        zigzag_ring_flash_attn_varlen_func(packed, packed, packed, cu, 5)
+    with pytest.raises(ValueError, match="heads_k_stride"):
+        llama3_flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, 3, slice(0, 8))
     with pytest.raises(ValueError, match="divisible"):
         zigzag_shard(q[:, :7], 0, 2)
     with pytest.raises(ValueError, match="rank"):
         contiguous_shard(q, 2, 2)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        zigzag_shard_varlen(packed, cu, 0, 2)
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32), True, 0, 2)

@@ -1,13 +1,49 @@
-"""Ring attention across processes on torch.distributed (gloo on CPU, NCCL on GPU)."""
+"""Attention over sequences sharded across processes (torch.distributed: gloo on CPU, NCCL on GPU).
 
-from . import ring
+Names, arguments and meanings follow ring-flash-attention:
+
+* ``ring_flash_attn_func``: contiguous shards (rank r holds tokens [r S/W, (r+1) S/W));
+* ``zigzag_ring_flash_attn_func``: zigzag shards (chunks r and 2W-1-r of 2W);
+* ``zigzag_ring_flash_attn_varlen_func``: packed documents, each zigzag-cut;
+* ``llama3_flash_attn_varlen_func``: packed rows cut contiguously, keys/values all-gathered,
+  with ``llama3_flash_attn_prepare_cu_seqlens``;
+
+each with ``_kvpacked`` / ``_qkvpacked`` forms, and the helpers that cut and reassemble shards.
+"""
+
+from .llama3 import (
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
+)
 from .ring import (
-    LAYOUTS,
+    ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
+)
+from .shard import (
     contiguous_shard,
     contiguous_unshard,
-    ring_flash_attn_func,
+    llama3_flash_attn_prepare_cu_seqlens,
     zigzag_shard,
+    zigzag_shard_varlen,
     zigzag_unshard,
+    zigzag_unshard_varlen,
 )
 
-__all__ = list(ring.__all__)
+__all__ = [
+    "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+    "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func", "llama3_flash_attn_prepare_cu_seqlens",
+    "zigzag_shard", "zigzag_unshard", "contiguous_shard", "contiguous_unshard",
+    "zigzag_shard_varlen", "zigzag_unshard_varlen",
+]

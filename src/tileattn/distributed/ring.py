@@ -1,289 +1,301 @@
-"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+"""Ring attention with ring-flash-attention's names: exact attention over sharded sequences.
 
-Every rank holds one shard of the sequence — its queries and its keys/values, layout
-(batch, seqlen_local, nheads, headdim). The key/value shards travel around the ring
-(rank r sends to r + 1 and receives from r - 1, ``torch.distributed`` point-to-point ops),
-the transfer of the next shard overlapping the attention of the current one. After step s
-rank r holds the keys/values of rank ``src = (r - s) mod W``; its queries attend to them with
-the backend contract of ``tileattn.contract`` and the partial state of that block is merged
-into the running one with the library's single merge (``tileattn.ops.merge.merge_states``)::
+Each rank of ``group`` holds its shard of the queries, keys and values (``shard.py`` says how
+sequences are cut) and gets back its rows of the output of the whole sequence:
 
-    lse = log(exp(lse_run) + exp(lse_blk)),   o = exp(lse_run - lse) o_run + exp(lse_blk - lse) o_blk
+* ``ring_flash_attn_func``: contiguous shards, rank r holds tokens [r S/W, (r+1) S/W);
+* ``zigzag_ring_flash_attn_func``: zigzag shards (chunks r and 2W-1-r of 2W), balanced when causal;
+* ``zigzag_ring_flash_attn_varlen_func``: packed documents, each zigzag-cut, local ``cu_seqlens``;
+* their ``_kvpacked`` / ``_qkvpacked`` forms; ``llama3.py`` holds the all-gather form for packed
+  batches.
 
-so after W steps every rank holds ``softmax(q K^T * scale) V`` over the whole sequence for its
-own queries, and the LSE (natural log, fp32, (batch, nheads, seqlen_local)).
+Arguments, order and meaning as in ring-flash-attention (and flash-attn): ``dropout_p,
+softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group``; the
+keyword ``softcap`` is tileattn's addition. ``causal`` and ``window_size`` are about GLOBAL
+positions: query i sees key j iff ``i - window_left <= j <= i + window_right`` (causal: right = 0).
+Returns the output, or with ``return_attn_probs`` ``(out, softmax_lse, None)``, the LSE fp32 of
+the local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)). Differentiable in
+q, k, v; every rank must call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0.
+Runs on gloo (CPU tensors) and NCCL (CUDA).
 
-Backward (the FlashAttention trick, per block): with the FINAL output O and LSE, the
-probabilities of a block are ``P = exp(S - lse)`` and ``delta = rowsum(dO * O)`` is the same for
-every block, so each block's (dq, dk, dv) is exactly its share of the gradient. The keys/values
-travel the ring once more; dq accumulates locally (fp32); dk/dv accumulate in fp32 in a buffer
-that travels WITH the keys/values it belongs to, and one last hop returns it to its owner.
-
-Layouts (the sequence of S tokens, W ranks):
-
-* ``"contiguous"``: rank r holds tokens [r S/W, (r+1) S/W).
-* ``"zigzag"``: the sequence is cut into 2W chunks of c = S / (2W) tokens; rank r holds chunks
-  r and 2W-1-r (in that order). With ``causal=True`` every rank then does the same work.
-
-Causal masks per block (global query i sees key j iff j <= i). Contiguous: src == r is the
-diagonal block (causal, seqlen_q == seqlen_k); src < r is full attention; src > r is skipped.
-Zigzag, W = 2 (chunks c0..c3; rank 0 holds c0, c3; rank 1 holds c1, c2), the global mask::
-
-                      keys: c0  c1  c2  c3
-        rank 0, q c0      [ ◣   .   .   .  ]     ◣  causal (diagonal)
-        rank 1, q c1      [ ■   ◣   .   .  ]     ■  full
-        rank 1, q c2      [ ■   ■   ◣   .  ]     .  skipped
-        rank 0, q c3      [ ■   ■   ■   ◣  ]
-
-and the three kinds of block on rank r, local rows/keys [0, c) = chunk r or src, [c, 2c) =
-chunk 2W-1-r or 2W-1-src::
-
-    src == r:  q (2c) x kv (2c), causal         kv: r  2W-1-r      the local causal mask is
-                                            q r     [ ◣    .  ]    the global one
-                                            q 2W-1-r[ ■    ◣  ]
-    src <  r:  q (2c) x kv[:c], full            kv: src  2W-1-src  chunk src < r < 2W-1-r is seen
-                                            q r     [ ■    .  ]    by both query chunks;
-                                            q 2W-1-r[ ■    .  ]    chunk 2W-1-src > 2W-1-r by none
-    src >  r:  q[c:] x kv (2c), full            kv: src  2W-1-src  query chunk r < src sees nothing;
-                                            q r     [ .    .  ]    chunk 2W-1-r > 2W-1-src > src
-                                            q 2W-1-r[ ■    ■  ]    sees all of it
-
-Both off-diagonal kinds cost 2c^2 score entries, so each rank does (2W-1) c^2 work in all.
-Without ``causal`` every block is full attention, whatever the layout.
+Not yet: ``dropout_p > 0`` and ``alibi_slopes`` (both depend on a score's global position,
+which the backend kernels do not take; see NotImplementedError messages); the LSE is not
+differentiable.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..ops._validate import check_flags, check_qkv, last_dim_contiguous, make_params
-from ..contract import AttnParams
-from ..ops.backend import backend_for
-from ..ops.merge import merge_states
+from ..ops import _validate as V
+from .comm import Peers
+from .engine import Call, Plan, ring_bwd, ring_fwd
+from .plan import dense_pairs, fast_blocks, is_fast
 
 __all__ = [
-    "ring_flash_attn_func",
-    "zigzag_shard",
-    "zigzag_unshard",
-    "contiguous_shard",
-    "contiguous_unshard",
-    "LAYOUTS",
+    "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]
 
-LAYOUTS = ("zigzag", "contiguous")
-_TAG_KV, _TAG_DKV = 0, 1  # distinct tags keep the two messages to a neighbour apart (gloo)
+
+# ----------------------------------------------------------------------------- plans
 
 
-# ----------------------------------------------------------------------------- sharding
+class DensePlan(Plan):
+    """(batch, seqlen_local, heads, dim) shards, contiguous or zigzag."""
+
+    packed = False
+
+    def __init__(self, world_size: int, length: int, params, zigzag: bool):
+        self.world_size, self.length, self.params, self.zigzag = world_size, length, params, zigzag
+        self._calls = {}
+
+    def calls(self, rank: int, src: int) -> list[Call]:
+        if (rank, src) not in self._calls:
+            pairs = dense_pairs(rank, src, self.world_size, self.length, self.params, self.zigzag)
+            self._calls[rank, src] = [Call(p.q, p.kv, p.params) for p in pairs]
+        return self._calls[rank, src]
 
 
-def _chunks(x: torch.Tensor, parts: int, dim: int) -> tuple[torch.Tensor, ...]:
-    if x.shape[dim] % parts:
-        raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) must be divisible by {parts}")
-    return x.chunk(parts, dim=dim)
+class ZigzagVarlenPlan(Plan):
+    """Packed documents, each zigzag-cut: per document the local rows [a, a + n) hold chunk r
+    (first n/2 rows) then chunk 2W-1-r. Without a window the documents go through the backend
+    together (halves gathered by index, ``cu_seqlens // 2``); with one, each document's pairs
+    have their own moved window, so each is its own call."""
+
+    packed = True
+
+    def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params):
+        self.world_size, self.params = world_size, params
+        self.bounds = cu_seqlens.tolist()
+        self._calls = {}
+        if is_fast(params):
+            device = cu_seqlens.device
+            first = [torch.arange(a, a + (b - a) // 2) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            second = [torch.arange(a + (b - a) // 2, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            half_cu = cu_seqlens // 2
+            self.parts = {
+                "all": (slice(0, self.bounds[-1]), cu_seqlens, max_seqlen),
+                "first": (torch.cat(first).to(device), half_cu, max_seqlen // 2),
+                "second": (torch.cat(second).to(device), half_cu, max_seqlen // 2),
+            }
+
+    def calls(self, rank: int, src: int) -> list[Call]:
+        if (rank, src) in self._calls:
+            return self._calls[rank, src]
+        out = []
+        if is_fast(self.params):
+            full = replace(self.params, window_left=-1, window_right=-1)
+            causal = replace(self.params, window_left=-1, window_right=0)
+            for q, kv, c in fast_blocks(rank, src, self.params, zigzag=True):
+                (q_rows, cu_q, max_q), (kv_rows, cu_k, max_k) = self.parts[q], self.parts[kv]
+                out.append(Call(q_rows, kv_rows, causal if c else full, cu_q, cu_k, max_q, max_k))
+        else:
+            for a, b in zip(self.bounds[:-1], self.bounds[1:]):
+                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, zigzag=True):
+                    out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params))
+        self._calls[rank, src] = out
+        return out
 
 
-def _check_rank(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
-
-
-def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s zigzag shard: chunks ``rank`` and ``2W-1-rank`` of 2W equal chunks of ``dim``."""
-    _check_rank(rank, world_size)
-    chunks = _chunks(x, 2 * world_size, dim)
-    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
-
-
-def zigzag_unshard(shards, dim: int = 1) -> torch.Tensor:
-    """The whole sequence from the list of every rank's zigzag shard (rank order)."""
-    world_size = len(shards)
-    halves = [_chunks(s, 2, dim) for s in shards]
-    ordered = [halves[r][0] for r in range(world_size)] + [halves[r][1] for r in reversed(range(world_size))]
-    return torch.cat(ordered, dim=dim)
-
-
-def contiguous_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s contiguous shard: chunk ``rank`` of W equal chunks of ``dim``."""
-    _check_rank(rank, world_size)
-    return _chunks(x, world_size, dim)[rank]
-
-
-def contiguous_unshard(shards, dim: int = 1) -> torch.Tensor:
-    """The whole sequence from the list of every rank's contiguous shard (rank order)."""
-    return torch.cat(list(shards), dim=dim)
-
-
-# ----------------------------------------------------------------------------- the ring
-
-
-class _Transfer:
-    """A send to the next rank and a receive from the previous one, in flight."""
-
-    def __init__(self, sent: torch.Tensor, received: torch.Tensor, works):
-        self._sent, self._received, self._works = sent, received, works
-
-    def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        self._sent = None  # the send buffer may be freed now
-        return self._received
-
-
-class _Ring:
-    """The neighbours of this rank in ``group``: sends go to rank + 1, receives come from rank - 1."""
-
-    def __init__(self, group):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-        self._next = to_global((self.rank + 1) % self.world_size)
-        self._prev = to_global((self.rank - 1) % self.world_size)
-
-    def shift(self, tensor: torch.Tensor, tag: int) -> _Transfer:
-        """Start sending ``tensor`` onward and receiving its predecessor's tensor of the same shape."""
-        received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self._next, self.group, tag),
-               dist.P2POp(dist.irecv, received, self._prev, self.group, tag)]
-        return _Transfer(tensor, received, dist.batch_isend_irecv(ops))
-
-
-@dataclass(frozen=True)
-class _Block:
-    """The part of a (local queries, held keys/values) pair that is attended, and its mask."""
-
-    q: slice
-    kv: slice
-    causal: bool
-
-
-def _block(rank: int, src: int, seqlen: int, causal: bool, layout: str) -> _Block | None:
-    """Which rows of local q attend which rows of the keys/values of rank ``src`` (None: none)."""
-    every, half = slice(0, seqlen), seqlen // 2
-    if not causal:
-        return _Block(every, every, False)
-    if src == rank:
-        return _Block(every, every, True)
-    if layout == "contiguous":
-        return _Block(every, every, False) if src < rank else None
-    if src < rank:
-        return _Block(every, slice(0, half), False)
-    return _Block(slice(half, seqlen), every, False)
-
-
-def _params(scale: float, causal: bool) -> AttnParams:
-    return AttnParams(softmax_scale=scale, window_right=0 if causal else -1)
-
-
-# ----------------------------------------------------------------------------- forward, backward
-
-
-def _ring_fwd(q, k, v, *, scale: float, causal: bool, layout: str, ring):
-    """Run the ring forward; returns (out in q's dtype, lse fp32 (B, H, S))."""
-    backend = backend_for(q.device)
-    batch, seqlen, nheads, headdim = q.shape
-    out = torch.zeros(batch, seqlen, nheads, headdim, device=q.device, dtype=torch.float32)
-    lse = torch.full((batch, nheads, seqlen), float("-inf"), device=q.device, dtype=torch.float32)
-    kv = torch.stack([k, v])  # [2, B, S, Hk, D]: one message per step
-    for step in range(ring.world_size):
-        incoming = ring.shift(kv, _TAG_KV) if step + 1 < ring.world_size else None
-        blk = _block(ring.rank, (ring.rank - step) % ring.world_size, seqlen, causal, layout)
-        if blk is not None:
-            q_blk = q[:, blk.q]
-            o_blk = torch.empty_like(q_blk)
-            lse_blk = torch.empty(batch, nheads, q_blk.shape[1], device=q.device, dtype=torch.float32)
-            backend.attn_fwd(q_blk, kv[0, :, blk.kv], kv[1, :, blk.kv], o_blk, lse_blk,
-                             params=_params(scale, blk.causal))
-            out[:, blk.q], lse[:, :, blk.q] = merge_states(out[:, blk.q], lse[:, :, blk.q], o_blk, lse_blk)
-        if incoming is not None:
-            kv = incoming.wait()
-    return out.to(q.dtype), lse
-
-
-def _ring_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool, layout: str, deterministic: bool, ring):
-    """Gradients (dq, dk, dv) of sum(out * dout), with the final ``out`` and ``lse`` of the forward."""
-    backend = backend_for(q.device)
-    seqlen = q.shape[1]
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv = torch.stack([k, v])  # [2, B, S, Hk, D]
-    dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)  # grads of the held kv
-    dkv_incoming = None
-    for step in range(ring.world_size):
-        incoming = ring.shift(kv, _TAG_KV) if step + 1 < ring.world_size else None
-        blk = _block(ring.rank, (ring.rank - step) % ring.world_size, seqlen, causal, layout)
-        if blk is not None:
-            dq_blk = torch.empty_like(q[:, blk.q])
-            dk_blk = torch.empty_like(kv[0, :, blk.kv])
-            dv_blk = torch.empty_like(dk_blk)
-            backend.attn_bwd(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.kv], kv[1, :, blk.kv], out[:, blk.q],
-                             lse[:, :, blk.q], dq_blk, dk_blk, dv_blk, params=_params(scale, blk.causal),
-                             deterministic=deterministic)
-            dq[:, blk.q] += dq_blk
-        if dkv_incoming is not None:
-            dkv = dkv_incoming.wait()  # the gradient so far of the kv we hold, from the previous rank
-        if blk is not None:
-            dkv[0, :, blk.kv] += dk_blk
-            dkv[1, :, blk.kv] += dv_blk
-        if ring.world_size > 1:  # pass it on; after the last step it arrives at its owner
-            dkv_incoming = ring.shift(dkv, _TAG_DKV)
-        if incoming is not None:
-            kv = incoming.wait()
-    if dkv_incoming is not None:
-        dkv = dkv_incoming.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+# ----------------------------------------------------------------------------- autograd
 
 
 class RingFlashAttnFunc(torch.autograd.Function):
-    """Autograd wiring: forward and backward both run around the ring of ``group``."""
+    """Forward and backward both run around the ring of ``group``, following ``plan``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, deterministic, group):
-        ring = _Ring(group)
-        out, lse = _ring_fwd(q, k, v, scale=scale, causal=causal, layout=layout, ring=ring)
+    def forward(ctx, q, k, v, plan, group, deterministic):
+        out, lse = ring_fwd(q, k, v, plan, Peers(group))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(scale=scale, causal=causal, layout=layout, deterministic=deterministic)
-        ctx.group = group
+        ctx.plan, ctx.group, ctx.deterministic = plan, group, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = last_dim_contiguous(dout)
-        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ring=_Ring(ctx.group), **ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ring_bwd(V.last_dim_contiguous(dout), q, k, v, out, lse, ctx.plan, Peers(ctx.group),
+                              ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
-def ring_flash_attn_func(q, k, v, causal=False, softmax_scale=None, group=None, return_lse=False,
-                         layout="zigzag", deterministic=False):
-    """Attention over a sequence sharded across the ranks of ``group`` (default: the world).
+# ----------------------------------------------------------------------------- validation
 
-    q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim)
-    hold this rank's shard of the sequence, cut as ``layout`` says (``zigzag_shard`` or
-    ``contiguous_shard``; see the module docstring). Returns this rank's rows of
-    ``softmax(q K^T * softmax_scale) V`` over all ranks' keys (causal: global query i sees
-    global key j <= i), and with ``return_lse`` also the LSE (batch, nheads, seqlen_local) fp32.
-    Differentiable in q, k, v; every rank of ``group`` must call it with the same shapes and
-    options. nheads % nheads_k == 0 (GQA/MQA). Runs on gloo (CPU tensors) and NCCL (CUDA).
-    """
-    check_qkv(q, k, v, packed=False)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if k.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q and k/v shards must have the same (batch, seqlen_local), got "
-                         f"{tuple(q.shape[:2])} and {tuple(k.shape[:2])}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"a zigzag shard holds two equal chunks: seqlen_local must be even, got {q.shape[1]}")
-    params = make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1),
-                         softcap=0.0, dropout_p=0.0)
-    check_flags(deterministic=deterministic, return_lse=return_lse)
+
+def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, group, alibi_ok: bool = False):
+    """Scalar options of a ring call as AttnParams; refuses what the ring cannot do yet, and a
+    missing process group, before anything is computed or sent."""
+    params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, dropout_p=dropout_p)
+    V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
+    if params.dropout_p > 0:
+        V.fail(NotImplementedError, f"{name}: dropout_p > 0 is not supported yet. The dropout mask of an element "
+                                    "depends on its global (query, key) position, and the kernels hash positions "
+                                    "inside each call's block; the ring needs the kernels to take a position "
+                                    "offset first. Use dropout_p=0.0 (or the single-GPU functions).")
+    if alibi_slopes is not None and not alibi_ok:
+        V.fail(NotImplementedError, f"{name}: alibi_slopes is not supported yet. ALiBi's bias depends on the "
+                                    "global distance of query and key, which the kernels take only bottom-right "
+                                    "aligned within a call; off-diagonal ring blocks are not. With packed batches "
+                                    "and causal=True, llama3_flash_attn_varlen_func supports ALiBi.")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_flash_attn_func needs torch.distributed: call "
-                           "torch.distributed.init_process_group first (a world of one rank works)")
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, params.softmax_scale, causal, layout, deterministic, group)
-    return (out, lse) if return_lse else out
+        V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
+                             "(a world of one rank works)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        V.fail(TypeError, f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return params
+
+
+def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                return_attn_probs, group, softcap):
+    V.check_qkv(q, k, v, packed=False)
+    if k.shape[:2] != q.shape[:2]:
+        V.fail(ValueError, f"{name}: q and k/v shards must have the same (batch, seqlen_local), got "
+                           f"{tuple(q.shape[:2])} and {tuple(k.shape[:2])}")
+    if zigzag and q.shape[1] % 2:
+        V.fail(ValueError, f"{name}: a zigzag shard holds two equal chunks, seqlen_local must be even, "
+                           f"got {q.shape[1]}")
+    params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _unpack(name: str, packed, parts: int, dims: int):
+    """Split a qkv (parts 3) or kv (parts 2) tensor on its packing axis (dim dims - 3)."""
+    what = "qkv" if parts == 3 else "kv"
+    axis = dims - 3
+    if not isinstance(packed, torch.Tensor) or packed.dim() != dims or packed.shape[axis] != parts:
+        layout = ("(batch, seqlen, " if dims == 5 else "(total, ") + f"{parts}, nheads, headdim)"
+        V.fail(ValueError, f"{name}: {what} must be {layout}, got {getattr(packed, 'shape', packed)}")
+    return packed.unbind(axis)
+
+
+# ----------------------------------------------------------------------------- public: dense shards
+
+
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *, softcap=0.0):
+    """Attention over a sequence cut in CONTIGUOUS shards: rank r holds tokens [r S/W, (r+1) S/W).
+
+    q (batch, seqlen_local, nheads, headdim), k, v (batch, seqlen_local, nheads_k, headdim): this
+    rank's shard (``contiguous_shard``). See the module docstring for options and results.
+    """
+    return _ring_dense("ring_flash_attn_func", q, k, v, False, dropout_p, softmax_scale, causal, window_size,
+                       alibi_slopes, deterministic, return_attn_probs, group, softcap)
+
+
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                                  softcap=0.0):
+    """``ring_flash_attn_func`` with kv (batch, seqlen_local, 2, nheads_k, headdim)."""
+    k, v = _unpack("ring_flash_attn_kvpacked_func", kv, 2, 5)
+    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                return_attn_probs, group, softcap=softcap)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                                   softcap=0.0):
+    """``ring_flash_attn_func`` with qkv (batch, seqlen_local, 3, nheads, headdim)."""
+    q, k, v = _unpack("ring_flash_attn_qkvpacked_func", qkv, 3, 5)
+    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                return_attn_probs, group, softcap=softcap)
+
+
+def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                                softcap=0.0):
+    """Attention over a sequence cut in ZIGZAG shards: rank r holds chunks r and 2W-1-r of 2W.
+
+    q (batch, seqlen_local, nheads, headdim), k, v (batch, seqlen_local, nheads_k, headdim): this
+    rank's shard (``zigzag_shard``; seqlen_local even). See the module docstring.
+    """
+    return _ring_dense("zigzag_ring_flash_attn_func", q, k, v, True, dropout_p, softmax_scale, causal, window_size,
+                       alibi_slopes, deterministic, return_attn_probs, group, softcap)
+
+
+def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                         window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None, *, softcap=0.0):
+    """``zigzag_ring_flash_attn_func`` with kv (batch, seqlen_local, 2, nheads_k, headdim)."""
+    k, v = _unpack("zigzag_ring_flash_attn_kvpacked_func", kv, 2, 5)
+    return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                       deterministic, return_attn_probs, group, softcap=softcap)
+
+
+def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                          window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, group=None, *, softcap=0.0):
+    """``zigzag_ring_flash_attn_func`` with qkv (batch, seqlen_local, 3, nheads, headdim)."""
+    q, k, v = _unpack("zigzag_ring_flash_attn_qkvpacked_func", qkv, 3, 5)
+    return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                       deterministic, return_attn_probs, group, softcap=softcap)
+
+
+# ----------------------------------------------------------------------------- public: packed, zigzag
+
+
+def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                       causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                       return_attn_probs=False, group=None, *, softcap=0.0):
+    """Attention over packed documents, each zigzag-cut across the ranks (``zigzag_shard_varlen``).
+
+    q (total_local, nheads, headdim), k, v (total_local, nheads_k, headdim); ``cu_seqlens``
+    int32 (batch + 1) the LOCAL offsets (the global ones // W; every local length even) and
+    ``max_seqlen`` the largest local length. Document b's local rows hold its chunk r, then its
+    chunk 2W-1-r. LSE (nheads, total_local). See the module docstring.
+    """
+    name = "zigzag_ring_flash_attn_varlen_func"
+    V.check_qkv(q, k, v, packed=True)
+    if k.shape[0] != q.shape[0]:
+        V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
+                           f"and {k.shape[0]}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        V.fail(ValueError, f"{name}: cu_seqlens must be a 1-D int32 tensor of length batch + 1 (>= 2)")
+    V.check_int32_vector("cu_seqlens", cu_seqlens, cu_seqlens.shape[0], q.device)
+    max_seqlen = V.integer("max_seqlen", max_seqlen, minimum=0)
+    V.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], max_seqlen)
+    odd = [b - a for a, b in zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]) if (b - a) % 2]
+    if odd:
+        V.fail(ValueError, f"{name}: each document's local rows are two equal chunks, so local lengths must be "
+                           f"even, got {odd}")
+    params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    plan = ZigzagVarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def zigzag_ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                                causal=False, window_size=(-1, -1), alibi_slopes=None,
+                                                deterministic=False, return_attn_probs=False, group=None, *,
+                                                softcap=0.0):
+    """``zigzag_ring_flash_attn_varlen_func`` with kv (total_local, 2, nheads_k, headdim)."""
+    k, v = _unpack("zigzag_ring_flash_attn_varlen_kvpacked_func", kv, 2, 4)
+    return zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                              window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                              softcap=softcap)
+
+
+def zigzag_ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                                 causal=False, window_size=(-1, -1), alibi_slopes=None,
+                                                 deterministic=False, return_attn_probs=False, group=None, *,
+                                                 softcap=0.0):
+    """``zigzag_ring_flash_attn_varlen_func`` with qkv (total_local, 3, nheads, headdim)."""
+    q, k, v = _unpack("zigzag_ring_flash_attn_varlen_qkvpacked_func", qkv, 3, 4)
+    return zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                              window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                              softcap=softcap)

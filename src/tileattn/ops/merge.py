@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_states", "merge_many"]
+__all__ = ["merge_states", "merge_many", "merge_into"]
 
 
 def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,14 @@ def merge_many(outs, lses):
     lse = torch.logsumexp(lse_all, dim=0)
     o = sum(_weight(l_i, lse) * o_i.to(acc) for o_i, l_i in zip(outs, lse_all))
     return o.to(outs[0].dtype), lse
+
+
+def merge_into(o_run: torch.Tensor, lse_run: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """``merge_states`` in place into a running fp32 state (views allowed): two passes over o_run
+    instead of building a new output, for loops that merge many parts into one (ring attention)."""
+    if o_run.shape != o_b.shape or lse_run.shape != lse_b.shape:
+        raise ValueError(f"states differ in shape: o {tuple(o_run.shape)} vs {tuple(o_b.shape)}, "
+                         f"lse {tuple(lse_run.shape)} vs {tuple(lse_b.shape)}")
+    lse = torch.logaddexp(lse_run, lse_b.to(lse_run.dtype))
+    o_run.mul_(_weight(lse_run, lse)).addcmul_(o_b, _weight(lse_b, lse))
+    lse_run.copy_(lse)
