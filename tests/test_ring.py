@@ -84,7 +84,7 @@ CASES = {
     "llama3-full": dict(kind="llama3", causal=False, dtype="float32", docs=(7, 13, 0, 6), heads=(2, 2), hdim=16,
                         stride=2),
     "llama3-window-softcap": dict(kind="llama3", causal=False, window=(6, 3), softcap=4.0, dtype="float32",
-                                  docs=(11, 2, 0, 14), heads=(4, 2), hdim=16, stride=1),
+                                  docs=(7, 2, 0, 18), heads=(4, 2), hdim=16, stride=1),
     "llama3-causal-alibi-bf16-kvpacked": dict(kind="llama3", causal=True, alibi=True, window=(7, -1),
                                               dtype="bfloat16", docs=(9, 15, 3), heads=(4, 4), hdim=16, stride=2,
                                               form="kvpacked"),
@@ -167,7 +167,7 @@ def _oracle(case, q, k, v, dout, slopes, world: int):
 def _view(shard):
     """A non-contiguous view (heads-first strides, padded rows) holding the same values."""
     batch, seqlen, nheads, hdim = shard.shape
-    padded = torch.full((batch, nheads, seqlen, hdim + 8), float("nan"), dtype=shard.dtype)
+    padded = torch.full((batch, nheads, seqlen, hdim + 8), float("nan"), dtype=shard.dtype, device=shard.device)
     padded[..., :hdim] = shard.transpose(1, 2)
     view = padded[..., :hdim].transpose(1, 2)
     assert not view.is_contiguous()
