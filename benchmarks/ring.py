@@ -1,20 +1,24 @@
-"""Ring attention per GPU against the single-GPU kernel, and how much communication it hides.
+"""Context parallelism per GPU against the single-GPU kernel, and how much of the transfer it hides.
 
-    torchrun --nproc_per_node N benchmarks/ring.py [--tokens 8192 16384 32768]
-    python benchmarks/ring.py                         # a world of one process
+    torchrun --nproc_per_node N benchmarks/ring.py [--tokens 8192 16384] [--varlen llama3]
+    python benchmarks/ring.py --tokens 512 --heads 2 --hdim 32   # a world of one process (CPU ok)
 
-For every per-GPU length s (tokens per GPU), causal (zigzag layout) and not, bf16, batch 1,
-16 heads of 128 (nheads x hdim = 2048, as in the FlashAttention papers), it times:
+Dense (default): per-GPU length s, causal (zigzag shards) and not, bf16, batch 1, 16 heads of
+128. ``--varlen llama3``: documents of 1k-16k tokens (seeded) packed into s tokens per GPU,
+causal, through ``llama3_flash_attn_varlen_func`` (K/V all-gathered ``--heads-k-stride`` heads
+at a time); one GPU runs ``flash_attn_varlen_func`` on s tokens packed the same way. Timed:
 
-    single   the backend kernel alone on s tokens (attn_fwd; attn_fwd + attn_bwd)
-    ring     the ring over W s tokens, each GPU holding s of them
-    compute  the same ring loop with every transfer replaced by the local K/V (same blocks,
-             same masks, same merges: the ring's time if communication were free)
-    comm     the W-1 K/V transfers of one forward alone
+    single   the backend kernel alone on s tokens per GPU (fwd; fwd + bwd)
+    ring     the ring (or llama3) on W s tokens, each GPU holding s of them
+    compute  the same loop with every transfer replaced by local data (same calls, same merges:
+             the time if communication were free)
+    comm     the transfers of one forward alone (dense: the K/V exchanges of the plan; llama3:
+             the all-gathers), and of one forward + backward (dense: K/V twice and the dK/dV
+             returns; llama3: gathers twice and the reduce-scatters)
 
-FLOPs: forward 4 b h S^2 d (half when causal), fwd + bwd 3.5x that (backward 2.5x); the ring's
-per-GPU share is 1/W of the whole sequence's count. ``hidden`` = 1 - (ring - compute) / comm is
-the share of the forward's transfer time hidden behind compute.
+``hidden`` = 1 - (ring - compute) / comm: the share of the transfer time hidden behind compute.
+FLOPs: 4 h d per visible (query, key) pair (causal: half), fwd + bwd 3.5x the forward; a ring
+GPU's share is 1/W of the whole batch's count.
 
 Timing: every rank runs the same fixed number of repetitions between barriers (do_bench picks
 its own count per rank, which would deadlock the ring); per repetition the slowest rank counts,
@@ -32,26 +36,56 @@ import torch
 import torch.distributed as dist
 
 import tileattn
-from tileattn.distributed.ring import _ring_bwd, _ring_fwd, _Ring, ring_flash_attn_func, zigzag_shard, zigzag_unshard
+from tileattn.distributed import llama3 as L3
+from tileattn.distributed import (
+    contiguous_shard,
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_func,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from tileattn.distributed.comm import Peers
+from tileattn.distributed.engine import ring_bwd, ring_fwd
+from tileattn.distributed.ring import DensePlan
 from tileattn.contract import AttnParams
 from tileattn.ops.backend import backend_for
 
 
-class _LocalRing:
-    """The ring's interface with no communication: every "received" shard is the local one."""
+class _Done:
+    def __init__(self, tensor):
+        self._tensor = tensor
 
-    class _Done:
-        def __init__(self, tensor):
-            self._tensor = tensor
+    def wait(self):
+        return self._tensor
 
-        def wait(self):
-            return self._tensor
+
+class LocalPeers:
+    """``Peers`` with no communication: every "received" tensor is one of the local shape."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
 
-    def shift(self, tensor, tag):
-        return self._Done(tensor)
+    def exchange(self, send, send_to, recv_like, recv_from, tag):
+        return _Done(recv_like)
+
+
+class LocalGather:
+    """llama3's all-gather with no communication: the local heads copied into a reused buffer."""
+
+    _buffers: dict = {}
+
+    def __init__(self, k, v, h0, h1, group):
+        world = dist.get_world_size(group)
+        key = (k.shape, h0, h1, k.dtype)
+        if key not in self._buffers:
+            self._buffers[key] = [t.new_empty((world * t.shape[0], h1 - h0, t.shape[2])) for t in (k, v)]
+        self.full = self._buffers[key]
+        for f, t in zip(self.full, (k, v)):
+            f[:t.shape[0]].copy_(t[:, h0:h1])
+
+    def wait(self):
+        return self.full
 
 
 def _sync(device):
@@ -89,15 +123,28 @@ def init() -> torch.device:
     return device
 
 
-def run_case(tokens: int, causal: bool, args, device) -> dict:
+def _summary(ms: dict, flops_single: float, flops_ring: float, world: int) -> dict:
+    tflops = {name: (flops_single if name.startswith("single") else flops_ring) * (3.5 if "bwd" in name else 1.0)
+              / (t * 1e-3) / 1e12 for name, t in ms.items() if not name.startswith("comm")}
+    hidden = {}
+    for part, comm in (("fwd", "comm fwd"), ("fwd+bwd", "comm fwd+bwd")):
+        exposed = ms[f"ring {part}"] - ms[f"compute {part}"]
+        hidden[part] = 1.0 - exposed / ms[comm] if world > 1 and ms[comm] > 0 else float("nan")
+    return dict(ms=ms, tflops=tflops, hidden=hidden)
+
+
+# ----------------------------------------------------------------------------- dense, zigzag
+
+
+def run_dense(tokens: int, causal: bool, args, device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = backend_for(device)
     dtype = getattr(torch, args.dtype)
     shape = (args.batch, tokens, args.heads, args.hdim)
     gen = torch.Generator(device=device).manual_seed(1234)
     q, k, v, dout = (torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(4))
-    scale = args.hdim**-0.5
-    params = AttnParams(softmax_scale=scale, window_right=0 if causal else -1)
+    params = AttnParams(softmax_scale=args.hdim**-0.5, window_right=0 if causal else -1)
+    plan = DensePlan(world, tokens, params, zigzag=True)
     out, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
     lse = torch.empty(args.batch, args.heads, tokens, device=device, dtype=torch.float32)
 
@@ -108,71 +155,181 @@ def run_case(tokens: int, causal: bool, args, device) -> dict:
         single_fwd()
         backend.attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, params=params)
 
-    real, local = _Ring(None), _LocalRing(rank, world)
-    opts = dict(scale=scale, causal=causal, layout="zigzag")
+    real, local = Peers(None), LocalPeers(rank, world)
 
-    def ring_fwd(ring):
-        return lambda: _ring_fwd(q, k, v, ring=ring, **opts)
-
-    def ring_fwd_bwd(ring):
+    def ring(peers, bwd: bool):
         def fn():
-            o, l = _ring_fwd(q, k, v, ring=ring, **opts)
-            _ring_bwd(dout, q, k, v, o, l, ring=ring, deterministic=False, **opts)
+            o, l_ = ring_fwd(q, k, v, plan, peers)
+            if bwd:
+                ring_bwd(dout, q, k, v, o, l_, plan, peers, deterministic=False)
         return fn
 
     kv = torch.stack([k, v])
+    steps = plan.steps(world)[1:]
 
-    def comm():
-        shard = kv
-        for _ in range(world - 1):
-            shard = real.shift(shard, 0).wait()
+    def comm(bwd: bool):
+        def fn():
+            for _ in range(2 if bwd else 1):
+                for s in steps:
+                    real.exchange(kv, rank + s, kv, rank - s, tag=s).wait()
+            if bwd:  # the dK/dV returns, in the inputs' dtype
+                for s in steps:
+                    real.exchange(kv, rank - s, kv, rank + s, tag=world + s).wait()
+        return fn
 
     flops_single = 4 * args.batch * args.heads * tokens**2 * args.hdim * (0.5 if causal else 1.0)
-    flops_ring = flops_single * world  # (W s)^2 / W
     timing = dict(warmup=args.warmup, reps=args.reps, device=device)
-    ms = {
-        "single fwd": bench(single_fwd, **timing),
-        "ring fwd": bench(ring_fwd(real), **timing),
-        "compute fwd": bench(ring_fwd(local), **timing),
-        "single fwd+bwd": bench(single_fwd_bwd, **timing),
-        "ring fwd+bwd": bench(ring_fwd_bwd(real), **timing),
-        "compute fwd+bwd": bench(ring_fwd_bwd(local), **timing),
-        "comm": bench(comm, **timing),
-    }
-    tflops = {name: (flops_single if name.startswith("single") else flops_ring) * (3.5 if "bwd" in name else 1.0)
-              / (t * 1e-3) / 1e12 for name, t in ms.items() if name != "comm"}
-    exposed = ms["ring fwd"] - ms["compute fwd"]
-    hidden = 1.0 - exposed / ms["comm"] if world > 1 and ms["comm"] > 0 else float("nan")
-    return dict(ms=ms, tflops=tflops, hidden=hidden)
+    ms = {"single fwd": bench(single_fwd, **timing), "ring fwd": bench(ring(real, False), **timing),
+          "compute fwd": bench(ring(local, False), **timing), "single fwd+bwd": bench(single_fwd_bwd, **timing),
+          "ring fwd+bwd": bench(ring(real, True), **timing), "compute fwd+bwd": bench(ring(local, True), **timing),
+          "comm fwd": bench(comm(False), **timing), "comm fwd+bwd": bench(comm(True), **timing)}
+    return _summary(ms, flops_single, flops_single * world, world)
 
 
-def check(tokens: int, causal: bool, args, device) -> float:
-    """Largest |ring - one GPU| over out, dq, dk, dv: ``ring_flash_attn_func`` on the zigzag shards
-    of one sequence of W x tokens, gathered, against ``flash_attn_func`` on the whole of it
-    (both in the benchmark's dtype; tests/test_ring.py holds them to the tolerance rule)."""
+def check_dense(tokens: int, causal: bool, args, device) -> float:
+    """Largest |ring - one GPU| over out, dq, dk, dv: ``zigzag_ring_flash_attn_func`` on the shards of
+    one sequence of W x tokens, gathered, against ``flash_attn_func`` on the whole of it (both in
+    the benchmark's dtype; tests/test_ring.py holds them to the tolerance rule)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device=device).manual_seed(99)  # the same full tensors on every rank
     shape = (args.batch, tokens * world, args.heads, args.hdim)
     full = [torch.randn(shape, generator=gen, device=device, dtype=getattr(torch, args.dtype)) for _ in range(4)]
     q, k, v = (zigzag_shard(t, rank, world).detach().requires_grad_() for t in full[:3])
-    out = ring_flash_attn_func(q, k, v, causal=causal)
+    out = zigzag_ring_flash_attn_func(q, k, v, causal=causal)
     out.backward(zigzag_shard(full[3], rank, world))
-    mine = [out.detach(), q.grad, k.grad, v.grad]
-    gathered = []
-    for t in mine:
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
-        gathered.append(zigzag_unshard(parts))
+    gathered = [zigzag_unshard(_all_gather(t)) for t in (out.detach(), q.grad, k.grad, v.grad)]
     qf, kf, vf = (t.detach().requires_grad_() for t in full[:3])
     ref = tileattn.flash_attn_func(qf, kf, vf, causal=causal)
     ref.backward(full[3])
-    return max((a.float() - b.float()).abs().max().item()
-               for a, b in zip(gathered, [ref.detach(), qf.grad, kf.grad, vf.grad]))
+    return _max_diff(gathered, [ref.detach(), qf.grad, kf.grad, vf.grad])
+
+
+def _all_gather(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def _max_diff(xs, ys) -> float:
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(xs, ys))
+
+
+# ----------------------------------------------------------------------------- packed, llama3
+
+
+def packed_docs(tokens: int, seed: int, lo: int, hi: int) -> list[int]:
+    """Document lengths drawn uniformly from [lo, hi] (seeded), the last cut to fill ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    while sum(docs) < tokens:
+        docs.append(min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), tokens - sum(docs)))
+    return docs
+
+
+def _cu(docs, device):
+    return torch.tensor([0] + docs, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def _causal_flops(docs, heads: int, hdim: int) -> float:
+    return sum(4 * heads * hdim * n * (n + 1) / 2 for n in docs)
+
+
+def run_llama3(tokens: int, args, device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device=device).manual_seed(4321)
+    docs = packed_docs(tokens * world, 7, args.doc_min, args.doc_max)
+    one = packed_docs(tokens, 7, args.doc_min, args.doc_max)  # one GPU: the same draw on s tokens
+    cu, cu_one = _cu(docs, device), _cu(one, device)
+    shape = (tokens, args.heads, args.hdim)
+    q, k, v, dout = (torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, world)
+
+    def single(bwd: bool):
+        qs, ks, vs = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+
+        def fn():
+            o = tileattn.flash_attn_varlen_func(qs, ks, vs, cu_one, cu_one, max(one), max(one), causal=True)
+            if bwd:
+                o.backward(dout)
+        return fn
+
+    def ring(bwd: bool):
+        qs, ks, vs = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+
+        def fn():
+            o = llama3_flash_attn_varlen_func(qs, ks, vs, cu_q, cu_k, max_q, max_k, args.heads_k_stride, k_slice,
+                                              causal=True)
+            if bwd:
+                o.backward(dout)
+        return fn
+
+    def compute(bwd: bool):
+        ring_fn = ring(bwd)
+
+        def fn():
+            L3._Gather, saved = LocalGather, L3._Gather
+            try:
+                ring_fn()
+            finally:
+                L3._Gather = saved
+        return fn
+
+    def comm(bwd: bool):
+        stride = args.heads_k_stride
+
+        def fn():
+            for _ in range(2 if bwd else 1):
+                for h in range(0, k.shape[1], stride):
+                    L3._Gather(k, v, h, h + stride, None).wait()
+            if bwd:
+                for h in range(0, k.shape[1], stride):
+                    full = torch.zeros((world * tokens, stride, args.hdim), device=device, dtype=torch.float32)
+                    mine = torch.empty((tokens, stride, args.hdim), device=device, dtype=torch.float32)
+                    L3.reduce_scatter(mine, full)
+                    L3.reduce_scatter(mine, full)
+        return fn
+
+    timing = dict(warmup=args.warmup, reps=args.reps, device=device)
+    ms = {"single fwd": bench(single(False), **timing), "ring fwd": bench(ring(False), **timing),
+          "compute fwd": bench(compute(False), **timing), "single fwd+bwd": bench(single(True), **timing),
+          "ring fwd+bwd": bench(ring(True), **timing), "compute fwd+bwd": bench(compute(True), **timing),
+          "comm fwd": bench(comm(False), **timing), "comm fwd+bwd": bench(comm(True), **timing)}
+    res = _summary(ms, _causal_flops(one, args.heads, args.hdim), _causal_flops(docs, args.heads, args.hdim) / world,
+                   world)
+    res["docs"] = len(docs)
+    return res
+
+
+def check_llama3(tokens: int, args, device) -> float:
+    """Largest |llama3 ring - one GPU| over out, dq, dk, dv on one packed batch of W x tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator(device=device).manual_seed(98)
+    docs = packed_docs(tokens * world, 8, max(1, tokens // 8), tokens)
+    cu = _cu(docs, device)
+    shape = (tokens * world, args.heads, args.hdim)
+    full = [torch.randn(shape, generator=gen, device=device, dtype=getattr(torch, args.dtype)) for _ in range(4)]
+    q, k, v = (contiguous_shard(t, rank, world, dim=0).detach().requires_grad_() for t in full[:3])
+    cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, world)
+    out = llama3_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, args.heads_k_stride, k_slice, causal=True)
+    out.backward(contiguous_shard(full[3], rank, world, dim=0))
+    gathered = [torch.cat(_all_gather(t), 0) for t in (out.detach(), q.grad, k.grad, v.grad)]
+    qf, kf, vf = (t.detach().requires_grad_() for t in full[:3])
+    ref = tileattn.flash_attn_varlen_func(qf, kf, vf, cu, cu, max(docs), max(docs), causal=True)
+    ref.backward(full[3])
+    return _max_diff(gathered, [ref.detach(), qf.grad, kf.grad, vf.grad])
+
+
+# ----------------------------------------------------------------------------- main
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768], help="tokens per GPU")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384], help="tokens per GPU")
+    parser.add_argument("--varlen", choices=["none", "llama3"], default="none")
+    parser.add_argument("--heads-k-stride", type=int, default=4, help="llama3: K/V heads gathered at a time")
+    parser.add_argument("--doc-min", type=int, default=1024)
+    parser.add_argument("--doc-max", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--hdim", type=int, default=128)
@@ -182,26 +339,33 @@ def main():
     parser.add_argument("--check-tokens", type=int, default=2048, help="tokens per GPU of the correctness check")
     args = parser.parse_args()
     device = init()
-    world = dist.get_world_size()
-    for causal in (False, True):
-        err = check(args.check_tokens, causal, args, device)
-        if dist.get_rank() == 0:
-            print(f"check: {world} ranks x {args.check_tokens} tokens, causal {causal}: largest |ring - one GPU| "
-                  f"over out, dq, dk, dv = {err:.3g}", flush=True)
-    if dist.get_rank() == 0:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    llama3 = args.varlen == "llama3"
+    cases = [(t, True) for t in args.tokens] if llama3 else [(t, c) for t in args.tokens for c in (False, True)]
+    for causal in sorted({c for _, c in cases}):
+        err = check_llama3(args.check_tokens, args, device) if llama3 else check_dense(args.check_tokens, causal,
+                                                                                       args, device)
+        if rank == 0:
+            print(f"check: {world} ranks x {args.check_tokens} tokens, {args.varlen if llama3 else 'zigzag'}, causal "
+                  f"{causal}: largest |ring - one GPU| over out, dq, dk, dv = {err:.3g}", flush=True)
+    if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        print(f"ring attention: {world} x {name}, torch {torch.__version__}, {args.dtype}, batch {args.batch}, "
-              f"{args.heads} heads x {args.hdim}; TFLOP/s per GPU (ms)")
+        what = (f"llama3 varlen, documents {args.doc_min}-{args.doc_max}, heads_k_stride {args.heads_k_stride}"
+                if llama3 else "zigzag")
+        print(f"context parallel ({what}): {world} x {name}, torch {torch.__version__}, {args.dtype}, "
+              f"batch {args.batch}, {args.heads} heads x {args.hdim}; TFLOP/s per GPU (ms)")
         print(f"{'tokens/GPU':>10} {'causal':>6} | {'single fwd':>16} {'ring fwd':>16} {'compute fwd':>16} | "
-              f"{'single f+b':>16} {'ring f+b':>16} {'compute f+b':>16} | {'comm ms':>8} {'hidden':>7}")
-    for tokens in args.tokens:
-        for causal in (False, True):
-            res = run_case(tokens, causal, args, device)
-            if dist.get_rank() == 0:
-                cells = [f"{res['tflops'][n]:7.1f} ({res['ms'][n]:6.2f})" for n in
-                         ("single fwd", "ring fwd", "compute fwd", "single fwd+bwd", "ring fwd+bwd", "compute fwd+bwd")]
-                print(f"{tokens:>10} {str(causal):>6} | {' '.join(cells[:3])} | {' '.join(cells[3:])} | "
-                      f"{res['ms']['comm']:8.2f} {res['hidden']:7.1%}", flush=True)
+              f"{'single f+b':>16} {'ring f+b':>16} {'compute f+b':>16} | {'ring/1':>6} | {'comm f':>7} "
+              f"{'comm f+b':>8} | {'hidden f':>8} {'hidden f+b':>10}")
+    for tokens, causal in cases:
+        res = run_llama3(tokens, args, device) if llama3 else run_dense(tokens, causal, args, device)
+        if rank == 0:
+            cells = [f"{res['tflops'][n]:7.1f} ({res['ms'][n]:6.2f})" for n in
+                     ("single fwd", "ring fwd", "compute fwd", "single fwd+bwd", "ring fwd+bwd", "compute fwd+bwd")]
+            ratio = res["tflops"]["ring fwd+bwd"] / res["tflops"]["single fwd+bwd"]
+            print(f"{tokens:>10} {str(causal):>6} | {' '.join(cells[:3])} | {' '.join(cells[3:])} | {ratio:6.2f} | "
+                  f"{res['ms']['comm fwd']:7.2f} {res['ms']['comm fwd+bwd']:8.2f} | {res['hidden']['fwd']:8.1%} "
+                  f"{res['hidden']['fwd+bwd']:10.1%}", flush=True)
     dist.destroy_process_group()
 
 

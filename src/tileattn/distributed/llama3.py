@@ -33,6 +33,8 @@ __all__ = ["llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_f
            "llama3_flash_attn_varlen_qkvpacked_func"]
 
 _NAME = "llama3_flash_attn_varlen_func"
+# newer torch names it reduce_scatter_single and deprecates the old name (same arguments)
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def _llama3_bwd(dout, q, k, v, out, lse, groups, alibi, stride: int, group, dete
             dkv_all[0][grp.kv] += dk_g
             dkv_all[1][grp.kv] += dv_g
         mine = [torch.empty((k.shape[0], h1 - h0, k.shape[2]), device=k.device, dtype=torch.float32) for _ in range(2)]
-        works = [dist.reduce_scatter_tensor(m, a, group=group, async_op=True) for m, a in zip(mine, dkv_all)]
+        works = [reduce_scatter(m, a, group=group, async_op=True) for m, a in zip(mine, dkv_all)]
         reducing.append((h0, h1, mine, dkv_all, works))
     for h0, h1, mine, _, works in reducing:
         for work in works:
