@@ -46,13 +46,14 @@ class Peers:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
     def exchange(self, send, send_to, recv_like, recv_from, tag: int) -> Transfer:
-        """Post a send of ``send`` to group rank ``send_to`` and a receive of a tensor shaped like
-        ``recv_like`` from ``recv_from`` (either may be None: nothing to send / to receive)."""
+        """Post a send of ``send`` (contiguous) to group rank ``send_to`` and a receive of a tensor of
+        ``recv_like``'s shape and dtype from ``recv_from`` (either may be None: nothing to send / to
+        receive)."""
         ops, received = [], None
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send, self._global(send_to), self.group, tag))
         if recv_like is not None:
-            received = torch.empty_like(recv_like)
+            received = torch.empty(recv_like.shape, dtype=recv_like.dtype, device=recv_like.device)
             ops.append(dist.P2POp(dist.irecv, received, self._global(recv_from), self.group, tag))
         works = dist.batch_isend_irecv(ops) if ops else []
         return Transfer(send, received, works)

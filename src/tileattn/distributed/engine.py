@@ -23,7 +23,7 @@ selected rows (``None`` for a call on the rows of one document, made as a batch-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,7 @@ class Plan:
     shapes and options, so every rank knows what every other rank needs from it."""
 
     packed: bool  # tokens on dim 0 ((total, heads, dim), lse (heads, total)), else dim 1
+    length: int  # tokens of a local shard
 
     def calls(self, rank: int, src: int) -> list[Call]:
         raise NotImplementedError
@@ -111,13 +112,47 @@ def _add_rows(acc, rows, part, axis: int) -> None:
         acc.index_add_(axis, rows, part.to(acc.dtype))
 
 
-def _exchange_kv(peers: Peers, plan: Plan, kv, step: int, tag: int):
-    """Post step ``step``'s exchange: my shard to rank + step if it needs it, a shard from rank - step
-    if I need it."""
+def _span(calls: list[Call], length: int) -> slice | None:
+    """The rows of a held shard that ``calls`` read, as one range: only these travel (a zigzag
+    shard's first half when src < rank, the keys within a window). All rows if a call gathers by
+    index; None if there is no call."""
+    if not calls:
+        return None
+    if not all(isinstance(c.kv, slice) for c in calls):
+        return slice(0, length)
+    return slice(min(c.kv.start for c in calls), max(c.kv.stop for c in calls))
+
+
+def _within(rows, span: slice):
+    """Rows of a shard -> rows of the received span of it."""
+    if isinstance(rows, slice):
+        return slice(rows.start - span.start, rows.stop - span.start)
+    return rows  # index rows travel with the whole shard (span.start == 0)
+
+
+def _narrow(x, span: slice, axis: int):
+    return x.narrow(axis, span.start, span.stop - span.start)
+
+
+def _post_kv(peers: Peers, plan: Plan, own, step: int):
+    """Post step ``step``'s exchange: the rows of my shard that rank + step reads go to it, the rows
+    of rank - step's shard that I read come from it."""
     r, w = peers.rank, peers.world_size
-    send = kv if plan.calls((r + step) % w, r) else None
-    recv = kv if plan.calls(r, (r - step) % w) else None
-    return peers.exchange(send, r + step, recv, r - step, tag)
+    axis = 1 if plan.packed else 2  # token axis of a stacked (2, ...) shard
+    mine = _span(plan.calls((r + step) % w, r), plan.length)
+    theirs = _span(plan.calls(r, (r - step) % w), plan.length)
+    send = None if mine is None else _narrow(own, mine, axis).contiguous()
+    recv = None if theirs is None else _narrow(own, theirs, axis)
+    return peers.exchange(send, r + step, recv, r - step, tag=step)
+
+
+def _post_grad(peers: Peers, plan: Plan, own, grad, step: int):
+    """Return ``grad`` (the gradient of the rows of rank - step's shard that I read, or None) to its
+    owner; the gradient of the rows of mine that rank + step read comes back from it."""
+    r, w = peers.rank, peers.world_size
+    mine = _span(plan.calls((r + step) % w, r), plan.length)
+    recv = None if mine is None else _narrow(own, mine, 1 if plan.packed else 2)
+    return peers.exchange(grad, r - step, recv, r + step, tag=w + step)
 
 
 def ring_fwd(q, k, v, plan: Plan, peers: Peers):
@@ -131,10 +166,11 @@ def ring_fwd(q, k, v, plan: Plan, peers: Peers):
     for i, step in enumerate(steps):
         current = incoming
         if i + 1 < len(steps):  # the next shard travels while this one is used
-            incoming = _exchange_kv(peers, plan, own, steps[i + 1], tag=steps[i + 1])
-        kv = own if step == 0 else current.wait()
-        for call in plan.calls(peers.rank, (peers.rank - step) % peers.world_size):
-            o_c, lse_c = _fwd_call(backend, call, q, kv, plan.packed)
+            incoming = _post_kv(peers, plan, own, steps[i + 1])
+        calls = plan.calls(peers.rank, (peers.rank - step) % peers.world_size)
+        kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
+        for call in calls:
+            o_c, lse_c = _fwd_call(backend, replace(call, kv=_within(call.kv, span)), q, kv, plan.packed)
             _merge_rows(out, lse, call.q, o_c, lse_c, plan.packed)
     return out.to(q.dtype), lse
 
@@ -152,32 +188,36 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     for i, step in enumerate(steps):
         current = incoming
         if i + 1 < len(steps):  # the next shard travels while this one is used
-            incoming = _exchange_kv(peers, plan, own, steps[i + 1], tag=steps[i + 1])
-        kv = own if step == 0 else current.wait()
+            incoming = _post_kv(peers, plan, own, steps[i + 1])
         calls = plan.calls(r, (r - step) % w)
-        part = dkv if step == 0 else (torch.zeros(own.shape, device=q.device, dtype=torch.float32) if calls else None)
+        if step == 0:
+            kv, span, part = own, slice(0, plan.length), dkv
+        else:
+            kv, span = current.wait(), _span(calls, plan.length)
+            part = None if span is None else torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
         for call in calls:
-            q_c, k_c, v_c = (_take(t, rows, axis) for t, rows in ((q, call.q), (kv[0], call.kv), (kv[1], call.kv)))
+            kv_rows = _within(call.kv, span)
+            q_c, k_c, v_c = (_take(t, rows, axis) for t, rows in ((q, call.q), (kv[0], kv_rows), (kv[1], kv_rows)))
             dq_c, dk_c, dv_c = torch.empty_like(q_c), torch.empty_like(k_c), torch.empty_like(v_c)
             args = _one_doc(call, plan.packed, _take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis),
                             _take(lse, call.q, axis + 1), dq_c, dk_c, dv_c)
             backend.attn_bwd(*args, params=call.params, deterministic=deterministic, **_varlen_args(call))
             _add_rows(dq, call.q, dq_c, axis)
-            _add_rows(part[0], call.kv, dk_c, axis)
-            _add_rows(part[1], call.kv, dv_c, axis)
+            _add_rows(part[0], kv_rows, dk_c, axis)
+            _add_rows(part[1], kv_rows, dv_c, axis)
         if step == 0:
             continue
-        # the gradient of src's shard goes back to src; mine comes back from rank + step
-        back = peers.exchange(part.to(own.dtype) if part is not None else None, r - step,
-                              own if plan.calls((r + step) % w, r) else None, r + step, tag=w + step)
+        # the gradient of src's rows goes back to src (in the inputs' dtype); mine come back from rank + step
+        back = _post_grad(peers, plan, own, None if part is None else part.to(own.dtype), step)
         if returning is not None:
-            _add_returned(dkv, returning.wait())
-        returning = back
+            _add_returned(dkv, *returning)
+        returning = (back, _span(plan.calls((r + step) % w, r), plan.length), axis + 1)
     if returning is not None:
-        _add_returned(dkv, returning.wait())
+        _add_returned(dkv, *returning)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-def _add_returned(dkv, returned) -> None:
+def _add_returned(dkv, transfer, span, axis: int) -> None:
+    returned = transfer.wait()
     if returned is not None:
-        dkv.add_(returned)
+        dkv.narrow(axis, span.start, span.stop - span.start).add_(returned)

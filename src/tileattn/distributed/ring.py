@@ -73,6 +73,7 @@ class ZigzagVarlenPlan(Plan):
     def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params):
         self.world_size, self.params = world_size, params
         self.bounds = cu_seqlens.tolist()
+        self.length = self.bounds[-1]
         self._calls = {}
         if is_fast(params):
             device = cu_seqlens.device
