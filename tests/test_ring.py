@@ -15,6 +15,7 @@ divides the total — documents then straddle rank borders, and zero-length ones
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from datetime import timedelta
@@ -88,11 +89,19 @@ CASES = {
     "llama3-causal-alibi-bf16-kvpacked": dict(kind="llama3", causal=True, alibi=True, window=(7, -1),
                                               dtype="bfloat16", docs=(9, 15, 3), heads=(4, 4), hdim=16, stride=2,
                                               form="kvpacked"),
+    # the Triton kernels under the interpreter (world 2 only: slow), fp32 state written in place
+    "zigzag-causal-gqa-triton": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=8, heads=(2, 1),
+                                     hdim=16, backend="triton"),
+    "zigzag-varlen-triton": dict(kind="zigzag-varlen", causal=True, dtype="float32", units=(1, 0, 2), heads=(2, 1),
+                                 hdim=16, backend="triton"),
+    "llama3-window-triton": dict(kind="llama3", causal=False, window=(3, 2), dtype="float32", docs=(5, 9, 0, 2),
+                                 heads=(2, 1), hdim=16, stride=1, backend="triton"),
 }
 
 
 def _cases_for(world: int):
-    return [name for name, c in CASES.items() if not c.get("pairs") or world == 4]
+    return [name for name, c in CASES.items()
+            if (not c.get("pairs") or world == 4) and (c.get("backend") is None or world == 2)]
 
 
 # ----------------------------------------------------------------------------- inputs and oracle
@@ -246,11 +255,16 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
     for name in _cases_for(world):
         pair_case = CASES[name].get("pairs", False)
         group = pairs[rank // 2] if pair_case else None
+        forced = CASES[name].get("backend") if device_type == "cpu" else None
+        if forced:
+            os.environ["TILEATTN_BACKEND"] = forced
         try:
             _run_case(name, rank % 2 if pair_case else rank, 2 if pair_case else world, group, device)
             failures[name] = None
         except Exception:  # recorded and reported by the pytest test of this world
             failures[name] = traceback.format_exc()
+        finally:
+            os.environ.pop("TILEATTN_BACKEND", None) if forced else None
     with open(f"{result_dir}/rank{rank}.json", "w") as f:
         json.dump(failures, f)
     dist.destroy_process_group()

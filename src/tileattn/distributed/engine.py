@@ -85,11 +85,16 @@ def _one_doc(call: Call, packed: bool, *tensors):
     return tuple(t.unsqueeze(0) for t in tensors) if packed and call.cu_q is None else tensors
 
 
-def _fwd_call(backend, call: Call, q, kv, packed: bool):
+def _fwd_call(backend, call: Call, q, kv, packed: bool, into=None):
+    """One call's (o, lse); written into ``into`` = (out, lse) rows when given (the backends store
+    in the output's dtype, so the ring's fp32 state can be written directly)."""
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
-    o_c = torch.empty_like(q_c)
-    lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
+    if into is None:
+        o_c = torch.empty_like(q_c)
+        lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
+    else:
+        o_c, lse_c = _take(into[0], call.q, axis), _take(into[1], call.q, axis + 1)
     backend.attn_fwd(*_one_doc(call, packed, q_c, k_c, v_c, o_c, lse_c), params=call.params, **_varlen_args(call))
     return o_c, lse_c
 
@@ -103,6 +108,10 @@ def _merge_rows(out, lse, rows, o_c, lse_c, packed: bool) -> None:
     merge_into(o_run, lse_run, o_c, lse_c)
     out.index_copy_(axis, rows, o_run)
     lse.index_copy_(axis + 1, rows, lse_run)
+
+
+def _whole(rows, length: int) -> bool:
+    return isinstance(rows, slice) and rows.start == 0 and rows.stop == length
 
 
 def _add_rows(acc, rows, part, axis: int) -> None:
@@ -158,8 +167,10 @@ def _post_grad(peers: Peers, plan: Plan, own, grad, step: int):
 def ring_fwd(q, k, v, plan: Plan, peers: Peers):
     """(out in q's dtype, lse fp32) of this rank's queries over every rank's keys/values."""
     backend = backend_for(q.device)
-    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    lse = torch.full(_lse_shape(q, plan.packed), float("-inf"), device=q.device, dtype=torch.float32)
+    axis = 0 if plan.packed else 1
+    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.empty(_lse_shape(q, plan.packed), device=q.device, dtype=torch.float32)
+    fresh = True  # nothing merged yet: a first call over every row writes the state directly
     own = torch.stack([k, v])  # one message per step
     steps = plan.steps(peers.world_size)
     incoming = None
@@ -170,19 +181,53 @@ def ring_fwd(q, k, v, plan: Plan, peers: Peers):
         calls = plan.calls(peers.rank, (peers.rank - step) % peers.world_size)
         kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
         for call in calls:
-            o_c, lse_c = _fwd_call(backend, replace(call, kv=_within(call.kv, span)), q, kv, plan.packed)
-            _merge_rows(out, lse, call.q, o_c, lse_c, plan.packed)
+            call = replace(call, kv=_within(call.kv, span))
+            if fresh and _whole(call.q, q.shape[axis]):
+                _fwd_call(backend, call, q, kv, plan.packed, into=(out, lse))
+            else:
+                if fresh:
+                    out.zero_()
+                    lse.fill_(float("-inf"))
+                o_c, lse_c = _fwd_call(backend, call, q, kv, plan.packed)
+                _merge_rows(out, lse, call.q, o_c, lse_c, plan.packed)
+            fresh = False
+    if fresh:  # no call at all (no key visible to any query here)
+        out.zero_()
+        lse.fill_(float("-inf"))
     return out.to(q.dtype), lse
 
 
+def _bwd_call(backend, call: Call, dout, q, kv, out, lse, packed: bool, deterministic: bool, dq_into=None,
+              dkv_into=None):
+    """One call's (dq, dk, dv), written into ``dq_into`` / ``dkv_into`` (query rows / key rows of the
+    call) when given."""
+    axis = 0 if packed else 1
+    q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
+    dq_c = torch.empty_like(q_c) if dq_into is None else _take(dq_into, call.q, axis)
+    if dkv_into is None:
+        dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
+    else:
+        dk_c, dv_c = _take(dkv_into[0], call.kv, axis), _take(dkv_into[1], call.kv, axis)
+    args = _one_doc(call, packed, _take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis),
+                    _take(lse, call.q, axis + 1), dq_c, dk_c, dv_c)
+    backend.attn_bwd(*args, params=call.params, deterministic=deterministic, **_varlen_args(call))
+    return dq_c, dk_c, dv_c
+
+
 def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: bool):
-    """Gradients (dq, dk, dv) of sum(out * dout), with the final ``out`` and ``lse`` of the forward."""
+    """Gradients (dq, dk, dv) of sum(out * dout), with the final ``out`` and ``lse`` of the forward.
+
+    Where one call covers all rows its gradients are written straight into the fp32 accumulators
+    (the first call) or into the message returning a borrowed shard's gradient (a step's only
+    call over every received row); otherwise they are added up in fp32.
+    """
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
     r, w = peers.rank, peers.world_size
     own = torch.stack([k, v])
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dkv = torch.zeros(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dkv = torch.empty(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard
+    fresh_q = fresh_kv = True
     steps = plan.steps(w)
     incoming, returning = None, None
     for i, step in enumerate(steps):
@@ -190,30 +235,49 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
         if i + 1 < len(steps):  # the next shard travels while this one is used
             incoming = _post_kv(peers, plan, own, steps[i + 1])
         calls = plan.calls(r, (r - step) % w)
-        if step == 0:
-            kv, span, part = own, slice(0, plan.length), dkv
-        else:
-            kv, span = current.wait(), _span(calls, plan.length)
-            part = None if span is None else torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+        kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
+        grad = None  # the gradient of the received rows, to return (step > 0)
+        direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[axis + 1])
+        if direct_grad:
+            grad = torch.empty_like(kv)  # written by the call, in the inputs' dtype
+        elif step > 0 and calls:
+            grad = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
         for call in calls:
-            kv_rows = _within(call.kv, span)
-            q_c, k_c, v_c = (_take(t, rows, axis) for t, rows in ((q, call.q), (kv[0], kv_rows), (kv[1], kv_rows)))
-            dq_c, dk_c, dv_c = torch.empty_like(q_c), torch.empty_like(k_c), torch.empty_like(v_c)
-            args = _one_doc(call, plan.packed, _take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis),
-                            _take(lse, call.q, axis + 1), dq_c, dk_c, dv_c)
-            backend.attn_bwd(*args, params=call.params, deterministic=deterministic, **_varlen_args(call))
-            _add_rows(dq, call.q, dq_c, axis)
-            _add_rows(part[0], kv_rows, dk_c, axis)
-            _add_rows(part[1], kv_rows, dv_c, axis)
+            call = replace(call, kv=_within(call.kv, span))
+            direct_q = fresh_q and _whole(call.q, q.shape[axis])
+            if fresh_q and not direct_q:
+                dq.zero_()
+            fresh_q = False
+            if step == 0:
+                direct_kv = fresh_kv and len(calls) == 1 and _whole(call.kv, plan.length)
+                if fresh_kv and not direct_kv:
+                    dkv.zero_()
+                fresh_kv = False
+                target = dkv if direct_kv else None
+            else:
+                target = grad if direct_grad else None
+            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, plan.packed, deterministic,
+                                         dq_into=dq if direct_q else None, dkv_into=target)
+            if not direct_q:
+                _add_rows(dq, call.q, dq_c, axis)
+            if target is None:
+                acc = dkv if step == 0 else grad
+                _add_rows(acc[0], call.kv, dk_c, axis)
+                _add_rows(acc[1], call.kv, dv_c, axis)
         if step == 0:
+            if fresh_kv:
+                dkv.zero_()
+                fresh_kv = False
             continue
         # the gradient of src's rows goes back to src (in the inputs' dtype); mine come back from rank + step
-        back = _post_grad(peers, plan, own, None if part is None else part.to(own.dtype), step)
+        back = _post_grad(peers, plan, own, None if grad is None else grad.to(own.dtype), step)
         if returning is not None:
             _add_returned(dkv, *returning)
         returning = (back, _span(plan.calls((r + step) % w, r), plan.length), axis + 1)
     if returning is not None:
         _add_returned(dkv, *returning)
+    if fresh_q:
+        dq.zero_()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
