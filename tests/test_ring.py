@@ -44,6 +44,7 @@ from tileattn.distributed import (
     zigzag_unshard,
     zigzag_unshard_varlen,
 )
+from tileattn.distributed.ring import DensePlan
 from tileattn.reference import attention_naive, attention_naive_grad
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -446,3 +447,24 @@ def test_bad_input_raises_before_any_communication():
         zigzag_shard_varlen(packed, cu, 0, 2)
     with pytest.raises(ValueError, match="divisible by world_size"):
         llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32), True, 0, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_transfers_carry_only_what_is_read(world):
+    """Causal contiguous shards: no transfer to a rank before the owner; causal zigzag: the first
+    half of a shard travels to the ranks after its owner, all of it to those before; a window
+    reaching less than one shard: one step, the rows within reach."""
+    from tileattn.distributed.engine import _span
+    from tileattn.ops.backend import AttnParams
+
+    causal = AttnParams(softmax_scale=1.0, window_right=0)
+    local = 8
+    contiguous, zigzag = DensePlan(world, local, causal, zigzag=False), DensePlan(world, local, causal, zigzag=True)
+    for rank in range(world):
+        for src in range(world):
+            assert (_span(contiguous.calls(rank, src), local) is None) == (src > rank)
+            want = slice(0, local // 2) if src < rank else slice(0, local)
+            assert _span(zigzag.calls(rank, src), local) == want
+    window = DensePlan(world, local, AttnParams(softmax_scale=1.0, window_left=3, window_right=0), zigzag=False)
+    assert window.steps(world) == [0, 1]
+    assert _span(window.calls(1, 0), local) == slice(local - 3, local)

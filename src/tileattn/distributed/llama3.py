@@ -156,16 +156,16 @@ def _llama3_bwd(dout, q, k, v, out, lse, groups, alibi, stride: int, group, dete
         if i + 1 < len(chunks):
             pending = _Gather(k, v, *chunks[i + 1], group)
         heads = slice(h0 * g, h1 * g)
+        # fp32 gradients of every gathered row (zero outside this rank's key ranges), summed across
+        # the ranks by the reduce-scatter; the groups' key ranges are disjoint, so each call writes
+        # its own rows directly (the backends store in the output's dtype)
         dkv_all = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (k_all, v_all)]
         for grp in groups:
-            dk_g, dv_g = torch.empty_like(k_all[grp.kv]), torch.empty_like(v_all[grp.kv])
             backend.attn_bwd(dout[grp.q, heads], q[grp.q, heads], k_all[grp.kv], v_all[grp.kv], out[grp.q, heads],
-                             lse[heads, grp.q], dq[grp.q, heads], dk_g, dv_g, params=grp.params,
-                             alibi_slopes=None if alibi is None else alibi[grp.docs, heads], cu_seqlens_q=grp.cu_q,
-                             cu_seqlens_k=grp.cu_k, max_seqlen_q=grp.max_q, max_seqlen_k=grp.max_k,
-                             deterministic=deterministic)
-            dkv_all[0][grp.kv] += dk_g
-            dkv_all[1][grp.kv] += dv_g
+                             lse[heads, grp.q], dq[grp.q, heads], dkv_all[0][grp.kv], dkv_all[1][grp.kv],
+                             params=grp.params, alibi_slopes=None if alibi is None else alibi[grp.docs, heads],
+                             cu_seqlens_q=grp.cu_q, cu_seqlens_k=grp.cu_k, max_seqlen_q=grp.max_q,
+                             max_seqlen_k=grp.max_k, deterministic=deterministic)
         mine = [torch.empty((k.shape[0], h1 - h0, k.shape[2]), device=k.device, dtype=torch.float32) for _ in range(2)]
         works = [reduce_scatter(m, a, group=group, async_op=True) for m, a in zip(mine, dkv_all)]
         reducing.append((h0, h1, mine, dkv_all, works))
