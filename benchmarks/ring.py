@@ -46,7 +46,7 @@ from tileattn.distributed import (
     zigzag_unshard,
 )
 from tileattn.distributed.comm import Peers
-from tileattn.distributed.engine import ring_bwd, ring_fwd
+from tileattn.distributed.engine import _post_grad, _post_kv, _span, ring_bwd, ring_fwd
 from tileattn.distributed.ring import DensePlan
 from tileattn.contract import AttnParams
 from tileattn.ops.backend import backend_for
@@ -167,14 +167,16 @@ def run_dense(tokens: int, causal: bool, args, device) -> dict:
     kv = torch.stack([k, v])
     steps = plan.steps(world)[1:]
 
-    def comm(bwd: bool):
+    def comm(bwd: bool):  # the ring's own exchanges (only the rows each rank reads), one after the other
         def fn():
             for _ in range(2 if bwd else 1):
                 for s in steps:
-                    real.exchange(kv, rank + s, kv, rank - s, tag=s).wait()
+                    _post_kv(real, plan, kv, s).wait()
             if bwd:  # the dK/dV returns, in the inputs' dtype
                 for s in steps:
-                    real.exchange(kv, rank - s, kv, rank + s, tag=world + s).wait()
+                    span = _span(plan.calls(rank, (rank - s) % world), tokens)
+                    grad = None if span is None else kv.narrow(2, span.start, span.stop - span.start).contiguous()
+                    _post_grad(real, plan, kv, grad, s).wait()
         return fn
 
     flops_single = 4 * args.batch * args.heads * tokens**2 * args.hdim * (0.5 if causal else 1.0)

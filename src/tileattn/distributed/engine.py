@@ -7,14 +7,20 @@ library's merge of (o, lse) states (``tileattn.ops.merge``)::
 
     lse = log(exp(lse_run) + exp(lse_blk)),   o = exp(lse_run - lse) o_run + exp(lse_blk - lse) o_blk
 
-Steps at which no rank computes anything are skipped, and so are their transfers; the
-exchange of step s + 1 is posted before step s computes.
+Traffic and passes over memory, kept low:
+
+* only the rows of a shard that the receiver reads travel (``_span``: half of a zigzag shard
+  when src < rank, the keys within a window's reach), and a step at which no rank computes is
+  skipped with its transfers; the exchange of step s + 1 is posted before step s computes;
+* the running state is fp32; the first call over every row writes it directly (both backends
+  store into an output of another dtype), later ones are merged in place (``merge_into``).
 
 Backward (the FlashAttention trick, per call): with the FINAL output O and LSE, a call's
 probabilities are ``P = exp(S - lse)`` and ``delta = rowsum(dO * O)`` is the same for every
 call, so each call's (dq, dk, dv) is exactly its share of the gradient. The shards travel
-again; dq accumulates locally in fp32; the gradient of a borrowed shard is summed per step and
-sent straight back to its owner, which adds the returns in step order (deterministic).
+again; dq accumulates locally in fp32; the gradient of a borrowed shard (written by the call
+itself when one call covers it, else summed in fp32) goes straight back to its owner in the
+inputs' dtype, and the owner adds the returns in step order (deterministic).
 
 A plan gives, per (rank, src), a list of ``Call``: the local query rows, the held key rows,
 the moved window (``plan.window_pair``) and, for packed batches, the ``cu_seqlens`` of the
