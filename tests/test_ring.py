@@ -28,13 +28,17 @@ from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
 from tileattn.distributed import (
     contiguous_shard,
+    contiguous_shard_varlen,
     contiguous_unshard,
+    contiguous_unshard_varlen,
     llama3_flash_attn_prepare_cu_seqlens,
     llama3_flash_attn_varlen_func,
     llama3_flash_attn_varlen_kvpacked_func,
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_qkvpacked_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
@@ -75,6 +79,10 @@ CASES = {
                                       seqlen=18, heads=(4, 2), hdim=40),
     "zigzag-causal-pairs-qkvpacked": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=12,
                                           heads=(2, 2), hdim=16, pairs=True, form="qkvpacked"),
+    "contiguous-varlen-causal-qkvpacked": dict(kind="contiguous-varlen", causal=True, dtype="float32",
+                                               units=(3, 0, 1, 5), heads=(2, 2), hdim=16, form="qkvpacked"),
+    "contiguous-varlen-window-bf16": dict(kind="contiguous-varlen", causal=True, window=(4, -1), dtype="bfloat16",
+                                          units=(2, 5), heads=(4, 2), hdim=16),
     "zigzag-varlen-causal": dict(kind="zigzag-varlen", causal=True, dtype="float32", units=(3, 0, 1, 2),
                                  heads=(4, 2), hdim=16),
     "zigzag-varlen-window-softcap": dict(kind="zigzag-varlen", causal=False, window=(4, 2), softcap=3.0,
@@ -111,6 +119,8 @@ def _cases_for(world: int):
 def _doc_lengths(case, world: int) -> list[int]:
     if case["kind"] == "zigzag-varlen":
         return [u * 2 * world for u in case["units"]]
+    if case["kind"] == "contiguous-varlen":
+        return [u * world for u in case["units"]]
     if case["kind"] == "llama3":
         docs = list(case["docs"])
         docs[-1] += -sum(docs) % world
@@ -198,6 +208,8 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         mine = lambda x, dim=1: zigzag_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
     elif kind == "zigzag-varlen":
         mine = lambda x, dim=0: zigzag_shard_varlen(torch.as_tensor(x), docs, rank, world, dim)  # noqa: E731
+    elif kind == "contiguous-varlen":
+        mine = lambda x, dim=0: contiguous_shard_varlen(torch.as_tensor(x), docs, rank, world, dim)  # noqa: E731
     else:
         mine = lambda x, dim=0: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
     local = [mine(t).to(device) for t in (q, k, v)]
@@ -219,6 +231,13 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         cu = (docs // world).to(device)
         max_len = int((cu[1:] - cu[:-1]).max())
         out, lse, _ = zigzag_ring_flash_attn_varlen_func(lq, lk, lv, cu, max_len, **opts)
+    elif kind == "contiguous-varlen":
+        cu = (docs // world).to(device)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        if form == "qkvpacked":
+            out, lse, _ = ring_flash_attn_varlen_qkvpacked_func(torch.stack([lq, lk, lv], dim=1), cu, max_len, **opts)
+        else:
+            out, lse, _ = ring_flash_attn_varlen_func(lq, lk, lv, cu, max_len, **opts)
     else:
         cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(docs.to(device), case["causal"],
                                                                                   rank, world)
@@ -234,7 +253,7 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
     out.backward(mine(dout).to(device))
 
     refs, plains = _oracle(case, q, k, v, dout, slopes, world)
-    lse_dim = 1 if kind in ("zigzag-varlen", "llama3") else 2
+    lse_dim = 2 if kind in ("contiguous", "zigzag") else 1
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert_within(f"{name} out", out, mine(plains[0]), mine(refs[0]))
     assert_within(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
@@ -332,6 +351,9 @@ def test_shard_unshard_round_trip(world):
     assert torch.equal(shards[0][:4], torch.tensor([0, 1, 4 * world - 2, 4 * world - 1]))
     assert torch.equal(shards[0][4:], torch.tensor([4 * world, 6 * world - 1]))
     assert torch.equal(zigzag_unshard_varlen(shards, cu), packed)
+    cont = [contiguous_shard_varlen(packed, cu, r, world) for r in range(world)]
+    assert torch.equal(cont[world - 1][:4], torch.arange(4 * world - 4, 4 * world))
+    assert torch.equal(contiguous_unshard_varlen(cont, cu), packed)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -4,7 +4,8 @@ Names, arguments and meanings follow ring-flash-attention:
 
 * ``ring_flash_attn_func``: contiguous shards (rank r holds tokens [r S/W, (r+1) S/W));
 * ``zigzag_ring_flash_attn_func``: zigzag shards (chunks r and 2W-1-r of 2W);
-* ``zigzag_ring_flash_attn_varlen_func``: packed documents, each zigzag-cut;
+* ``ring_flash_attn_varlen_func`` / ``zigzag_ring_flash_attn_varlen_func``: packed documents,
+  each cut contiguously / zigzag;
 * ``llama3_flash_attn_varlen_func``: packed rows cut contiguously, keys/values all-gathered,
   with ``llama3_flash_attn_prepare_cu_seqlens``;
 
@@ -20,6 +21,9 @@ from .ring import (
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
@@ -29,7 +33,9 @@ from .ring import (
 )
 from .shard import (
     contiguous_shard,
+    contiguous_shard_varlen,
     contiguous_unshard,
+    contiguous_unshard_varlen,
     llama3_flash_attn_prepare_cu_seqlens,
     zigzag_shard,
     zigzag_shard_varlen,
@@ -40,10 +46,11 @@ from .shard import (
 __all__ = [
     "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func",
     "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
     "zigzag_ring_flash_attn_varlen_qkvpacked_func",
     "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
     "llama3_flash_attn_varlen_qkvpacked_func", "llama3_flash_attn_prepare_cu_seqlens",
     "zigzag_shard", "zigzag_unshard", "contiguous_shard", "contiguous_unshard",
-    "zigzag_shard_varlen", "zigzag_unshard_varlen",
+    "contiguous_shard_varlen", "contiguous_unshard_varlen", "zigzag_shard_varlen", "zigzag_unshard_varlen",
 ]

@@ -5,7 +5,8 @@ sequences are cut) and gets back its rows of the output of the whole sequence:
 
 * ``ring_flash_attn_func``: contiguous shards, rank r holds tokens [r S/W, (r+1) S/W);
 * ``zigzag_ring_flash_attn_func``: zigzag shards (chunks r and 2W-1-r of 2W), balanced when causal;
-* ``zigzag_ring_flash_attn_varlen_func``: packed documents, each zigzag-cut, local ``cu_seqlens``;
+* ``ring_flash_attn_varlen_func`` / ``zigzag_ring_flash_attn_varlen_func``: packed documents,
+  each cut contiguously / zigzag, with the local ``cu_seqlens``;
 * their ``_kvpacked`` / ``_qkvpacked`` forms; ``llama3.py`` holds the all-gather form for packed
   batches.
 
@@ -38,6 +39,7 @@ from .plan import dense_pairs, fast_blocks, is_fast
 __all__ = [
     "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func",
     "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
     "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]
@@ -62,29 +64,28 @@ class DensePlan(Plan):
         return self._calls[rank, src]
 
 
-class ZigzagVarlenPlan(Plan):
-    """Packed documents, each zigzag-cut: per document the local rows [a, a + n) hold chunk r
-    (first n/2 rows) then chunk 2W-1-r. Without a window the documents go through the backend
-    together (halves gathered by index, ``cu_seqlens // 2``); with one, each document's pairs
-    have their own moved window, so each is its own call."""
+class VarlenPlan(Plan):
+    """Packed documents, each cut on its own: document b's local rows [a, a + n) hold its chunk r
+    of W (contiguous) or its chunks r then 2W-1-r of 2W (zigzag, n/2 rows each). Without a window
+    the documents go through the backend together (zigzag halves gathered by index with
+    ``cu_seqlens // 2``); with one, each document's pairs have their own moved window, so each
+    is its own call."""
 
     packed = True
 
-    def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params):
-        self.world_size, self.params = world_size, params
+    def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params, zigzag: bool):
+        self.world_size, self.params, self.zigzag = world_size, params, zigzag
         self.bounds = cu_seqlens.tolist()
         self.length = self.bounds[-1]
         self._calls = {}
-        if is_fast(params):
+        self.parts = {"all": (slice(0, self.length), cu_seqlens, max_seqlen)}
+        if zigzag and is_fast(params):
             device = cu_seqlens.device
             first = [torch.arange(a, a + (b - a) // 2) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
             second = [torch.arange(a + (b - a) // 2, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
             half_cu = cu_seqlens // 2
-            self.parts = {
-                "all": (slice(0, self.bounds[-1]), cu_seqlens, max_seqlen),
-                "first": (torch.cat(first).to(device), half_cu, max_seqlen // 2),
-                "second": (torch.cat(second).to(device), half_cu, max_seqlen // 2),
-            }
+            self.parts["first"] = (torch.cat(first).to(device), half_cu, max_seqlen // 2)
+            self.parts["second"] = (torch.cat(second).to(device), half_cu, max_seqlen // 2)
 
     def calls(self, rank: int, src: int) -> list[Call]:
         if (rank, src) in self._calls:
@@ -93,12 +94,12 @@ class ZigzagVarlenPlan(Plan):
         if is_fast(self.params):
             full = replace(self.params, window_left=-1, window_right=-1)
             causal = replace(self.params, window_left=-1, window_right=0)
-            for q, kv, c in fast_blocks(rank, src, self.params, zigzag=True):
+            for q, kv, c in fast_blocks(rank, src, self.params, self.zigzag):
                 (q_rows, cu_q, max_q), (kv_rows, cu_k, max_k) = self.parts[q], self.parts[kv]
                 out.append(Call(q_rows, kv_rows, causal if c else full, cu_q, cu_k, max_q, max_k))
         else:
             for a, b in zip(self.bounds[:-1], self.bounds[1:]):
-                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, zigzag=True):
+                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag):
                     out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params))
         self._calls[rank, src] = out
         return out
@@ -247,6 +248,67 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
 # ----------------------------------------------------------------------------- public: packed, zigzag
 
 
+def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal, window_size,
+                 alibi_slopes, deterministic, return_attn_probs, group, softcap):
+    V.check_qkv(q, k, v, packed=True)
+    if k.shape[0] != q.shape[0]:
+        V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
+                           f"and {k.shape[0]}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        V.fail(ValueError, f"{name}: cu_seqlens must be a 1-D int32 tensor of length batch + 1 (>= 2)")
+    V.check_int32_vector("cu_seqlens", cu_seqlens, cu_seqlens.shape[0], q.device)
+    max_seqlen = V.integer("max_seqlen", max_seqlen, minimum=0)
+    V.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], max_seqlen)
+    if zigzag:
+        bounds = cu_seqlens.tolist()
+        odd = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if (b - a) % 2]
+        if odd:
+            V.fail(ValueError, f"{name}: each document's local rows are two equal chunks, so local lengths must "
+                               f"be even, got {odd}")
+    params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                return_attn_probs=False, group=None, *, softcap=0.0):
+    """Attention over packed documents, each cut in W contiguous chunks (``contiguous_shard_varlen``).
+
+    q (total_local, nheads, headdim), k, v (total_local, nheads_k, headdim): document after
+    document, this rank's chunk r of each; ``cu_seqlens`` int32 (batch + 1) the LOCAL offsets
+    (the global ones // W) and ``max_seqlen`` the largest local length. LSE (nheads, total_local).
+    See the module docstring.
+    """
+    return _ring_varlen("ring_flash_attn_varlen_func", q, k, v, cu_seqlens, max_seqlen, False, dropout_p,
+                        softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                        softcap)
+
+
+def ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                         causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None, *, softcap=0.0):
+    """``ring_flash_attn_varlen_func`` with kv (total_local, 2, nheads_k, headdim)."""
+    k, v = _unpack("ring_flash_attn_varlen_kvpacked_func", kv, 2, 4)
+    return ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                       window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                       softcap=softcap)
+
+
+def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                          causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, group=None, *, softcap=0.0):
+    """``ring_flash_attn_varlen_func`` with qkv (total_local, 3, nheads, headdim)."""
+    q, k, v = _unpack("ring_flash_attn_varlen_qkvpacked_func", qkv, 3, 4)
+    return ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                       window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                       softcap=softcap)
+
+
 def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                        causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                        return_attn_probs=False, group=None, *, softcap=0.0):
@@ -257,27 +319,9 @@ def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_
     ``max_seqlen`` the largest local length. Document b's local rows hold its chunk r, then its
     chunk 2W-1-r. LSE (nheads, total_local). See the module docstring.
     """
-    name = "zigzag_ring_flash_attn_varlen_func"
-    V.check_qkv(q, k, v, packed=True)
-    if k.shape[0] != q.shape[0]:
-        V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
-                           f"and {k.shape[0]}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        V.fail(ValueError, f"{name}: cu_seqlens must be a 1-D int32 tensor of length batch + 1 (>= 2)")
-    V.check_int32_vector("cu_seqlens", cu_seqlens, cu_seqlens.shape[0], q.device)
-    max_seqlen = V.integer("max_seqlen", max_seqlen, minimum=0)
-    V.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], max_seqlen)
-    odd = [b - a for a, b in zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]) if (b - a) % 2]
-    if odd:
-        V.fail(ValueError, f"{name}: each document's local rows are two equal chunks, so local lengths must be "
-                           f"even, got {odd}")
-    params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
-    plan = ZigzagVarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
-    return (out, lse, None) if return_attn_probs else out
+    return _ring_varlen("zigzag_ring_flash_attn_varlen_func", q, k, v, cu_seqlens, max_seqlen, True, dropout_p,
+                        softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                        softcap)
 
 
 def zigzag_ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

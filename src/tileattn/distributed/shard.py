@@ -13,6 +13,9 @@ Packed batches (tokens on dim 0, documents delimited by ``cu_seqlens``, int32, b
   holding packed rows [r T/W, (r+1) T/W) whatever the document borders
   (``contiguous_shard(x, rank, W, dim=0)``); ``llama3_flash_attn_prepare_cu_seqlens`` says
   which documents (or parts) each rank's queries and keys belong to.
+* contiguous (``ring_flash_attn_varlen_func``): every document is cut in W equal chunks, rank r
+  holding chunk r of each, documents in order (``contiguous_shard_varlen``; local ``cu_seqlens``
+  = global // W);
 * zigzag (``zigzag_ring_flash_attn_varlen_func``): every document is zigzag-cut on its own
   (its length divisible by 2W), and rank r holds, document after document, chunks r and 2W-1-r
   of each (``zigzag_shard_varlen``); its local ``cu_seqlens`` are the global ones divided by W.
@@ -26,7 +29,8 @@ from ..ops._validate import fail
 
 __all__ = [
     "zigzag_shard", "zigzag_unshard", "contiguous_shard", "contiguous_unshard",
-    "zigzag_shard_varlen", "zigzag_unshard_varlen", "llama3_flash_attn_prepare_cu_seqlens",
+    "contiguous_shard_varlen", "contiguous_unshard_varlen", "zigzag_shard_varlen", "zigzag_unshard_varlen",
+    "llama3_flash_attn_prepare_cu_seqlens",
 ]
 
 
@@ -67,18 +71,38 @@ def contiguous_unshard(shards, dim: int = 1) -> torch.Tensor:
     return torch.cat(list(shards), dim=dim)
 
 
-def _doc_bounds(cu_seqlens, world_size: int) -> list[int]:
+def _doc_bounds(cu_seqlens, world_size: int, chunks_per_rank: int = 2) -> list[int]:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         fail(ValueError, "cu_seqlens must be a 1-D integer tensor of length batch + 1 (>= 2)")
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if bounds[0] != 0 or min(lengths) < 0:
         fail(ValueError, f"cu_seqlens must start at 0 and never decrease, got {bounds}")
-    bad = [n for n in lengths if n % (2 * world_size)]
+    parts = chunks_per_rank * world_size
+    bad = [n for n in lengths if n % parts]
     if bad:
-        fail(ValueError, f"a zigzag ring of {world_size} ranks cuts every document into {2 * world_size} equal "
-                         f"chunks: document lengths must be divisible by {2 * world_size}, got {bad}")
+        fail(ValueError, f"a ring of {world_size} ranks cuts every document into {parts} equal chunks: document "
+                         f"lengths must be divisible by {parts}, got {bad}")
     return bounds
+
+
+def contiguous_shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_size: int,
+                            dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s part of a packed batch for ``ring_flash_attn_varlen_func``: chunk ``rank`` of
+    W equal chunks of each document, documents in order; its ``cu_seqlens`` are the global // W."""
+    check_rank(rank, world_size)
+    bounds = _doc_bounds(cu_seqlens, world_size, 1)
+    parts = [contiguous_shard(x.narrow(dim, a, b - a), rank, world_size, dim) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=dim)
+
+
+def contiguous_unshard_varlen(shards, cu_seqlens: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The packed batch from every rank's ``contiguous_shard_varlen`` (rank order)."""
+    world_size = len(shards)
+    bounds = _doc_bounds(cu_seqlens, world_size, 1)
+    docs = [torch.cat([s.narrow(dim, a // world_size, (b - a) // world_size) for s in shards], dim=dim)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(docs, dim=dim)
 
 
 def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_size: int,
