@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import tileattn
+from tileattn.contract import AttnParams
 from tileattn.distributed import llama3 as L3
 from tileattn.distributed import (
     contiguous_shard,
@@ -48,7 +49,6 @@ from tileattn.distributed import (
 from tileattn.distributed.comm import Peers
 from tileattn.distributed.engine import _post_grad, _post_kv, _span, ring_bwd, ring_fwd
 from tileattn.distributed.ring import DensePlan
-from tileattn.contract import AttnParams
 from tileattn.ops.backend import backend_for
 
 

@@ -476,8 +476,8 @@ def test_transfers_carry_only_what_is_read(world):
     """Causal contiguous shards: no transfer to a rank before the owner; causal zigzag: the first
     half of a shard travels to the ranks after its owner, all of it to those before; a window
     reaching less than one shard: one step, the rows within reach."""
+    from tileattn.contract import AttnParams
     from tileattn.distributed.engine import _span
-    from tileattn.ops.backend import AttnParams
 
     causal = AttnParams(softmax_scale=1.0, window_right=0)
     local = 8
