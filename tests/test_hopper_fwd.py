@@ -112,3 +112,18 @@ def test_hopper_varlen(causal, group):
         plain_out, plain_lse = plain_attention(qb, kb, vb, causal=causal)
         assert_within(f"seq {b} out", out[rows].unsqueeze(0), plain_out, ref_out)
         assert_within(f"seq {b} lse", lse[:, rows].unsqueeze(0), plain_lse, ref_lse)
+
+
+def test_hopper_fp32_output():
+    """An fp32 ``out`` for bf16 inputs (the ring keeps its running state so) gets the fp32
+    accumulator itself, not a bf16 rounding of it."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 256, 2, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
+    params = AttnParams(128**-0.5, -1, 0)
+    out16, out32 = torch.full_like(q, float("nan")), torch.full(q.shape, float("nan"), device="cuda")
+    lse = torch.full((1, 2, 256), float("nan"), device="cuda")
+    hopper_attn_fwd(q, k, v, out16, lse, params=params)
+    hopper_attn_fwd(q, k, v, out32, lse, params=params)
+    torch.cuda.synchronize()
+    assert torch.equal(out32.to(torch.bfloat16), out16)
+    assert not torch.equal(out32, out16.float()), "the fp32 output was rounded to bf16"

@@ -241,7 +241,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlen
             cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
             o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
             o_ptrs = o_base + (q_start + rows_o).to(gl.int64)[:, None] * stride_os + cols_o[None, :]
-            gl.store(o_ptrs, o.to(dtype), mask=(rows_o < seqlen_q)[:, None])  # [BLOCK_M, HEAD_DIM]
+            gl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])  # [BLOCK_M, HEAD_DIM]
             l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
             gl.store(l_base + (q_start + q_pos).to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
 
