@@ -101,6 +101,8 @@ CASES = {
     # the Triton kernels under the interpreter (world 2 only: slow), fp32 state written in place
     "zigzag-causal-gqa-triton": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=8, heads=(2, 1),
                                      hdim=16, backend="triton"),
+    "contiguous-causal-bf16-triton": dict(kind="contiguous", causal=False, window=(-1, 0), dtype="bfloat16",
+                                          batch=1, seqlen=8, heads=(2, 2), hdim=16, backend="triton"),
     "zigzag-varlen-triton": dict(kind="zigzag-varlen", causal=True, dtype="float32", units=(1, 0, 2), heads=(2, 1),
                                  hdim=16, backend="triton"),
     "llama3-window-triton": dict(kind="llama3", causal=False, window=(3, 2), dtype="float32", docs=(5, 9, 0, 2),
