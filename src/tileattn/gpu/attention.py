@@ -65,13 +65,14 @@ def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size):
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32)."""
-    head_dim_pad, elem = kwargs["HEAD_DIM_PAD"], named_args["Q"].element_size()
+    head_dim_pad = max(kwargs["HEAD_DIM_PAD"], kwargs.get("HEAD_DIM_V_PAD", 0))  # the larger of q/k's and v's
+    elem = named_args["Q"].element_size()
     kept = [c for c in configs
             if _smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, head_dim_pad, elem) <= SMEM_BUDGET]
     return kept or [configs[-1]]
 
 
-_TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
+_TUNE_KEY = ["HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +137,7 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1) -> None:
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None) -> None:
     """Attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (see ``tileattn.contract``).
 
     ``out[..., i, h, :] = sum_j softmax_j(s_ij) v_j`` (dropout-scaled when asked) and
@@ -145,8 +146,9 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     assert num_splits >= 0 and (seqused_k is not None or not paged), "inputs are validated by tileattn.ops"
-    if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
-                         num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
+    if learnable_sink is None and hopper_fwd_reason(  # the Hopper kernel has no sinks yet
+            q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
+            num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
         hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return
@@ -181,22 +183,25 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         seqlen_k = k.shape[1]
     group = nheads // nheads_k
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_v = v.shape[-1]  # the output's head dim too; may differ from q/k's (MLA)
+    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
+    smem_dim = max(head_dim_pad, head_dim_v_pad)  # shared-memory estimates: the larger tile width
 
     pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
     max_rows = seqlen_q * group if pack_gqa else seqlen_q
     heads_grid = nheads_k if pack_gqa else nheads
     decode = max_rows <= DECODE_MAX_ROWS
     block_m = max(16, triton.next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
-    block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, q.element_size())
+    block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, q.element_size())
     if num_splits == 0:
         programs = batch * heads_grid * triton.cdiv(max_rows, block_m)
-        smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, q.element_size())
+        smem = _smem_bytes(block_m, block_n, stages, smem_dim, q.element_size())
         num_splits = _auto_splits(programs, triton.cdiv(seqlen_k, block_n), q.device, smem, waves=2 if paged else 1)
     split_kv = num_splits > 1
 
     if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
         rows_b, rows_s = (1, q.shape[0]) if varlen else (batch, seqlen_q)
-        o_dst = torch.empty((num_splits, rows_b, rows_s, nheads, head_dim), device=q.device, dtype=torch.float32)
+        o_dst = torch.empty((num_splits, rows_b, rows_s, nheads, head_dim_v), device=q.device, dtype=torch.float32)
         l_dst = torch.empty((num_splits, rows_b, nheads, rows_s), device=q.device, dtype=torch.float32)
         o_strides = o_dst.stride()[:4]
         l_strides = l_dst.stride()[:4]
@@ -213,7 +218,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     if interpreting() and q.dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
         dot_dtype = tl.float32
     args = (
-        q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+        q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
         stride_qb, stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -224,12 +229,14 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         params.dropout_seed, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0,
     )
     flags = dict(
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=head_dim_v_pad, PAGE_SIZE=page_size,
         IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused_k is not None,
         PACK_GQA=pack_gqa, SPLIT_KV=split_kv,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
         HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        HAS_SINK=learnable_sink is not None,
     )
 
     def grid(meta):
@@ -242,26 +249,27 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         key = tuple(flags[name] for name in _TUNE_KEY) + (q.dtype,)
         _attn_fwd_tuned(length_bucket(seqlen_q, seqlen_k)).launch(grid, key, args, flags)
     else:  # the first config that fits in shared memory
-        cfg = _prune_configs(_prefill_configs(), {"Q": q}, HEAD_DIM_PAD=head_dim_pad)[0]
+        cfg = _prune_configs(_prefill_configs(), {"Q": q}, HEAD_DIM_PAD=smem_dim)[0]
         _attn_fwd_kernel[grid](*args, **flags, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if split_kv:
-        _combine(o_dst, l_dst, out, lse, varlen, head_dim, head_dim_pad)
+        _combine(o_dst, l_dst, out, lse, varlen, head_dim_v, head_dim_v_pad, learnable_sink)
 
 
-def _combine(o_part, l_part, out, lse, varlen, head_dim, head_dim_pad):
-    """Merge the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1)."""
+def _combine(o_part, l_part, out, lse, varlen, head_dim, head_dim_pad, learnable_sink=None):
+    """Merge the (splits, B, Sq, H, D) partials, and the sinks if any, into ``out``/``lse`` (varlen as B = 1)."""
     if varlen:
         out, lse = out.unsqueeze(0), lse.unsqueeze(0)
     num_splits, batch, seqlen_q, nheads, _ = o_part.shape
     grid = (batch * seqlen_q * nheads,)
     _combine_kernel[grid](
-        o_part, l_part, out, lse,
+        o_part, l_part, out, lse, learnable_sink,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         l_part.stride(0), l_part.stride(1), l_part.stride(2), l_part.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         nheads, seqlen_q, num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), num_warps=4,
+        BLOCK_S=min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=learnable_sink is not None,
+        num_warps=4,
     )

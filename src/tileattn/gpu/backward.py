@@ -71,12 +71,13 @@ def _pruner(kind: str):
     shared memory for this dtype."""
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        wanted = {str(c) for c in _configs(kind, (args["HEAD_DIM_P"],), args["q_ptr"].element_size())}
+        width = max(args["HEAD_DIM_P"], args["HEAD_DIM_V_P"])  # the configs of the wider of q/k and v
+        wanted = {str(c) for c in _configs(kind, (width,), args["q_ptr"].element_size())}
         return [c for c in configs if str(c) in wanted]
     return prune
 
 
-_TUNE_KEY = ["HEAD_DIM_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
+_TUNE_KEY = ["HEAD_DIM_P", "HEAD_DIM_V_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,10 +112,12 @@ def _launch(kernel: Tuned, fixed: triton.Config | None, grid, args: tuple, meta:
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             deterministic=False) -> None:
-    """Gradients of ``sum(out * dout)`` with respect to q, k, v, written into dq, dk, dv.
+             deterministic=False, dlse=None, learnable_sink=None, dsink=None) -> None:
+    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` with respect to q, k, v (and the
+    learnable sinks), written into dq, dk, dv (and dsink).
 
-    Three launches: delta = rowsum(dO * O) (with lse in log2 units), then dK/dV per key block
+    Three launches: delta = rowsum(dO * O) - dlse (with lse in log2 units and, with sinks, the
+    rows' terms of dsink, summed here by torch in a fixed order), then dK/dV per key block
     and dQ per query block. The scores are recomputed from q, k and lse (no N x N buffer);
     see ``tileattn.kernels.attn_bwd`` for the math. Every gradient element is written by exactly
     one program, which sums in a fixed order (a shared key/value head's dk, dv too: its program
@@ -123,12 +126,13 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     the tile configuration (no autotuning), so they match across processes as well.
     """
     varlen = cu_seqlens_q is not None
-    # validated by tileattn.ops (shapes, head dim, grid limits) and by its autograd (strides)
-    assert varlen == (cu_seqlens_k is not None) and q.shape[-1] <= 256
+    # validated by tileattn.ops (shapes, head dims, grid limits) and by its autograd (strides)
+    assert varlen == (cu_seqlens_k is not None) and max(q.shape[-1], v.shape[-1]) <= 256
+    assert (learnable_sink is None) == (dsink is None)
     assert all(t.stride(-1) == 1 for t in (q, k, v, out, dq, dk, dv))
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if varlen:
         batch = cu_seqlens_q.numel() - 1
@@ -138,6 +142,8 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse_strides = lse.stride()
     assert batch <= _MAX_GRID_YZ and nheads <= _MAX_GRID_YZ
+    if dsink is not None:
+        dsink.zero_()
     if batch == 0 or seqlen_q == 0 and seqlen_k == 0:
         return
 
@@ -145,19 +151,28 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     ws_strides = (0, delta.stride(0)) if varlen else (delta.stride(0), delta.stride(1))
+    # with sinks, each row's term of -dsink (zeros where no row writes: packed tokens outside every sequence)
+    sink_terms = None if learnable_sink is None else torch.zeros_like(delta)
+    dlse_strides = (0, 0, 0) if dlse is None else (0, dlse.stride(0), dlse.stride(1)) if varlen else dlse.stride()
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    head_dim_v_p = max(16, triton.next_power_of_2(head_dim_v))
+    width = max(head_dim_p, head_dim_v_p)  # tile configs are chosen for the wider of q/k and v
     if seqlen_q > 0:
         _attn_bwd_preprocess[(triton.cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)](
-            out, dout, lse, delta, lse2, cu_seqlens_q,
-            *_rows_strides(out, varlen), *_rows_strides(dout, varlen), *lse_strides, *ws_strides, seqlen_q,
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK, IS_VARLEN=varlen)
+            out, dout, lse, delta, lse2, cu_seqlens_q, dlse, learnable_sink, sink_terms,
+            *_rows_strides(out, varlen), *_rows_strides(dout, varlen), *lse_strides, *dlse_strides, *ws_strides,
+            seqlen_q, HEAD_DIM=head_dim_v, HEAD_DIM_P=head_dim_v_p, BLOCK_M=_PREPROCESS_BLOCK, IS_VARLEN=varlen,
+            HAS_DLSE=dlse is not None, HAS_SINK=learnable_sink is not None)
+        if sink_terms is not None:  # (B, H, Sq) or packed (H, Tq) -> (H,)
+            dsink.copy_(-(sink_terms.sum(dim=1) if varlen else sink_terms.sum(dim=(0, 2))))
 
     p = float(params.dropout_p)
     has_alibi = alibi_slopes is not None
     scalars = (seqlen_q, seqlen_k, nheads, float(params.softmax_scale), float(params.softcap),
                int(params.window_left), int(params.window_right), int(params.dropout_seed) % 2**32,
                keep_threshold(p), 1.0 / (1.0 - p) if p > 0 else 1.0)
-    meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, IS_VARLEN=varlen,
+    meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEAD_DIM_V=head_dim_v,
+                HEAD_DIM_V_P=head_dim_v_p, IS_VARLEN=varlen,
                 HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=has_alibi, HAS_DROPOUT=p > 0,
                 MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
                 DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
@@ -168,12 +183,12 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     fixed = deterministic or interpreting() or not autotune_enabled()
     bucket = length_bucket(seqlen_q, seqlen_k)
     if seqlen_k > 0:
-        _launch(_tuned("dkdv", bucket), _configs("dkdv", (head_dim_p,), q.element_size())[0] if fixed else None,
+        _launch(_tuned("dkdv", bucket), _configs("dkdv", (width,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (q, k, v, dout, dk, dv, lse2, delta, *common, *_rows_strides(dk, varlen),
                  *_rows_strides(dv, varlen), *ws_strides, *alibi_strides, *scalars), meta, q.dtype)
     if seqlen_q > 0:
-        _launch(_tuned("dq", bucket), _configs("dq", (head_dim_p,), q.element_size())[0] if fixed else None,
+        _launch(_tuned("dq", bucket), _configs("dq", (width,), q.element_size())[0] if fixed else None,
                 lambda m: (triton.cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (q, k, v, dout, dq, lse2, delta, *common, *_rows_strides(dq, varlen), *ws_strides,
                  *alibi_strides, *scalars), meta, q.dtype)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_states", "merge_many"]
+__all__ = ["merge_states", "merge_many", "merge_sink"]
 
 
 def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,14 @@ def merge_many(outs, lses):
     lse = torch.logsumexp(lse_all, dim=0)
     o = sum(_weight(l_i, lse) * o_i.to(acc) for o_i, l_i in zip(outs, lse_all))
     return o.to(outs[0].dtype), lse
+
+
+def merge_sink(o: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor):
+    """Add learnable sinks (nheads,) to a state: the sink is the state (out 0, lse sink_h), merged once.
+
+    Partial states over disjoint keys are computed and merged without sinks (a sink in each
+    part would count once per part), then this once: what split-KV decoding does, and what
+    ring attention or a user merging partial attentions should do. Differentiable in all inputs.
+    """
+    sink = learnable_sink.to(torch.promote_types(torch.float32, lse.dtype))
+    return merge_states(o, lse, torch.zeros_like(o), sink[:, None].expand(lse.shape))
