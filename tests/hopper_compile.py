@@ -118,18 +118,23 @@ def forward_cases():
                      (torch.float32, 256)):
         q, k, v = t(2, 300, 8, d, dtype=dtype), t(2, 300, 2, d, dtype=dtype), t(2, 300, 2, d, dtype=dtype)
         cases.append((f"dense causal {dtype} d{d}", q, k, v, dict(params=AttnParams(d**-0.5, -1, 0))))
+    q, k, v = t(2, 300, 8, 192), t(2, 300, 8, 192), t(2, 300, 8, 128)  # MLA training: v's own head dim
+    cases.append(("dense causal bf16 d192 v128", q, k, v, dict(params=AttnParams(192**-0.5, -1, 0))))
     q, k, v = t(500, 8, 96), t(600, 4, 96), t(600, 4, 96)
     cu_q = torch.tensor([0, 200, 500], dtype=torch.int32)
     cu_k = torch.tensor([0, 250, 600], dtype=torch.int32)
-    cases.append(("varlen window softcap alibi dropout", q, k, v, dict(
+    cases.append(("varlen window softcap alibi dropout sink", q, k, v, dict(
         params=AttnParams(0.1, 64, 16, 30.0, 0.1, 7), alibi_slopes=torch.rand(2, 8), cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=350)))
+        cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=350, learnable_sink=torch.randn(8, generator=g))))
     for page in (16, 256):
         pool = t(64, page, 8, 128)
         table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
-        cases.append((f"paged decode page {page} GQA split", t(4, 1, 32, 128), pool, pool.clone(), dict(
-            params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 128], dtype=torch.int32),
-            block_table=table, max_seqlen_q=1, max_seqlen_k=8 * page, num_splits=4)))
+        sink = torch.randn(32, generator=g) if page == 16 else None  # the sink merged by the combine
+        cases.append((f"paged decode page {page} GQA split{' sink' if page == 16 else ''}", t(4, 1, 32, 128), pool,
+                      pool.clone(), dict(params=AttnParams(128**-0.5, -1, 0),
+                                         seqused_k=torch.tensor([5, 60, 100, 128], dtype=torch.int32),
+                                         block_table=table, max_seqlen_q=1, max_seqlen_k=8 * page, num_splits=4,
+                                         learnable_sink=sink)))
     cache = t(2 * 64, 2, 128)  # cache_leftpad: a contiguous cache read as packed keys from each row's pad
     cases.append(("cache_leftpad: packed keys, seqused_k, GQA split", t(2, 8, 128), cache, cache.clone(), dict(
         params=AttnParams(128**-0.5, -1, 0), cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
@@ -137,9 +142,11 @@ def forward_cases():
         max_seqlen_q=1, max_seqlen_k=64, num_splits=3)))
     for dtype, splits in ((torch.float16, 1), (torch.float32, 3)):  # contiguous cache, hdim 256, MQA
         cache = t(2, 512, 1, 256, dtype=dtype)
-        cases.append((f"decode {dtype} d256 MQA splits {splits}", t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
+        sink = torch.randn(16, generator=g) if splits == 1 else None  # the sink in the decode kernel's epilogue
+        cases.append((f"decode {dtype} d256 MQA splits {splits}{' sink' if sink is not None else ''}",
+                      t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
                       dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
-                           max_seqlen_q=2, max_seqlen_k=512, num_splits=splits)))
+                           max_seqlen_q=2, max_seqlen_k=512, num_splits=splits, learnable_sink=sink)))
     return cases
 
 
@@ -160,15 +167,22 @@ def backward_cases():
         lse = torch.randn(2, 8, 300, generator=g)
         cases.append((f"bwd {dtype} d{d}", (dout, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k),
                                            torch.empty_like(v)), dict(params=params)))
-    # packed sequences with ALiBi, GQA 3:1, softcap, dropout and a two-sided window
+    q, k, v = t(2, 300, 8, 192), t(2, 300, 8, 192), t(2, 300, 8, 128)  # MLA training: v's own head dim
+    out, dout = t(2, 300, 8, 128), t(2, 300, 8, 128)
+    cases.append(("bwd bf16 d192 v128", (dout, q, k, v, out, torch.randn(2, 8, 300, generator=g), torch.empty_like(q),
+                                         torch.empty_like(k), torch.empty_like(v)),
+                  dict(params=AttnParams(192**-0.5, -1, 0))))
+    # packed sequences with ALiBi, GQA 3:1, softcap, dropout, a two-sided window, dlse and sinks
     q, k, v = t(500, 6, 96), t(600, 2, 96), t(600, 2, 96)
     out, dout = t(500, 6, 96), t(500, 6, 96)
-    cases.append(("bwd varlen alibi softcap dropout", (dout, q, k, v, out, torch.randn(6, 500, generator=g),
-                                                       torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    cases.append(("bwd varlen alibi softcap dropout dlse sink", (dout, q, k, v, out, torch.randn(6, 500, generator=g),
+                                                                 torch.empty_like(q), torch.empty_like(k),
+                                                                 torch.empty_like(v)),
                   dict(params=AttnParams(0.1, 40, 8, 15.0, 0.2, 5), alibi_slopes=torch.rand(2, 6),
                        cu_seqlens_q=torch.tensor([0, 200, 500], dtype=torch.int32),
                        cu_seqlens_k=torch.tensor([0, 250, 600], dtype=torch.int32), max_seqlen_q=300,
-                       max_seqlen_k=350)))
+                       max_seqlen_k=350, dlse=torch.randn(6, 500, generator=g), learnable_sink=torch.randn(6, generator=g),
+                       dsink=torch.empty(6))))
     return cases
 
 
@@ -216,7 +230,8 @@ def record(fn, *args, **kwargs):
         if kind is None:
             expanded.append((kernel, args, meta))
             continue
-        for cfg in bwd_launcher._configs(kind, (meta["HEAD_DIM_P"],), args[0].element_size()):  # the pruned set
+        width = max(meta["HEAD_DIM_P"], meta["HEAD_DIM_V_P"])  # the configs of the wider of q/k and v
+        for cfg in bwd_launcher._configs(kind, (width,), args[0].element_size()):  # the pruned set
             expanded.append((kernel, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
                                             "num_stages": cfg.num_stages}))
     return expanded
@@ -227,7 +242,8 @@ def forward_variants(launches, q):
     for fn, args, kwargs in launches:
         if fn is fwd_launcher._attn_fwd_kernel and kwargs.get("BLOCK_M", 0) >= 64:
             configs = fwd_launcher._prune_configs(fwd_launcher._prefill_configs(), {"Q": q},
-                                                  HEAD_DIM_PAD=kwargs["HEAD_DIM_PAD"])
+                                                  HEAD_DIM_PAD=kwargs["HEAD_DIM_PAD"],
+                                                  HEAD_DIM_V_PAD=kwargs["HEAD_DIM_V_PAD"])
             for cfg in configs:
                 yield fn, args, {**kwargs, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         else:
@@ -299,7 +315,7 @@ def main() -> int:
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(*tensors, **kwargs)]
     for name, q, k, v, kwargs in forward_cases():
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
         todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
                                                                          **kwargs), q)]

@@ -163,7 +163,7 @@ def _qkv(dtype=torch.float16, sq=8, sk=8, h=4, hk=2, d=32):
     (lambda: tuple(t.to(torch.int32) for t in _qkv()), TypeError, "not supported"),
     (lambda: (_qkv()[0][0], *_qkv()[1:]), ValueError, "4-D"),
     (lambda: _qkv(h=3, hk=2), ValueError, "multiple"),
-    (lambda: _qkv(d=264), ValueError, "headdim"),
+    (lambda: _qkv(d=600), ValueError, "headdim"),
     (lambda: (_qkv()[0], _qkv(sk=9)[1], _qkv()[2]), ValueError, "one shape"),
     (lambda: (_qkv()[0][:1], *_qkv()[1:]), ValueError, "batch"),
     (lambda: (_qkv()[0], "k", _qkv()[2]), TypeError, "torch.Tensor"),

@@ -166,6 +166,15 @@ def test_trace_ends_exact(tile):
     assert 0 <= number(r"rescalings: (\d+) of", out) <= later_tiles
 
 
+def test_trace_shows_a_sinks_effect_on_the_row():
+    out = tileattn("trace", "--keys", "6", "--tile", "3", "--seed", "2", "--sink", "1.5")
+    p_sink = number(r"the sink takes (\S+) of the row", out)
+    shrink = number(r"shrinks by (\S+)", out)
+    assert 0 < p_sink < 1 and abs(p_sink + shrink - 1) < 1e-4
+    sums = re.search(r"│\s+sum\s+│\s+│\s+(\S+)\s+│\s+(\S+)\s+│", out)
+    assert sums and float(sums.group(1)) == float(sums.group(2)) == 1.0, out
+
+
 def test_trace_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "trace.png"

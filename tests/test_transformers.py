@@ -1,7 +1,8 @@
 """tileattn inside Hugging Face transformers models: attn_implementation="tileattn".
 
 Tiny random models built from configs (2 layers, hidden 64, 4 query heads over 2 KV heads,
-vocab 128), Llama-, Mistral- (sliding window) and Qwen2-style (full and sliding layers).
+vocab 128), Llama-, Mistral- (sliding window), Qwen2-style (full and sliding layers) and
+gpt-oss-style (a sliding then a full layer, learned attention sinks passed as ``s_aux``).
 Logits and gradients follow the tolerance rule of tests/tolerance.py: the float64 model with
 eager attention is the oracle, eager attention in the same dtype sets the budget.
 """
@@ -35,12 +36,23 @@ def make_config(kind: str, **overrides):
     if kind == "qwen2":
         return transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                         **overrides)
+    if kind == "gpt_oss":  # one expert: no top-k routing, whose ties could flip between dtypes
+        return transformers.GptOssConfig(**SIZES, head_dim=16, sliding_window=6, num_local_experts=1,
+                                         num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides)
     raise ValueError(kind)
 
 
 def make_model(kind: str, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(make_config(kind, **overrides), attn_implementation="eager")
+    extra = {"experts_implementation": "eager"} if kind == "gpt_oss" else {}  # grouped_mm refuses float64
+    model = transformers.AutoModelForCausalLM.from_config(make_config(kind, **overrides), attn_implementation="eager",
+                                                          **extra)
+    if kind == "gpt_oss":  # sinks of a trained model's size (initialised at std 0.02 they would barely show)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("sinks"):
+                    p.normal_(0.0, 1.5)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -88,7 +100,7 @@ def cpu_backend(monkeypatch):
     monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt_oss"])
 def test_logits_match_eager_with_left_padding(cpu_backend, kind):
     model = make_model(kind)
     oracle = copy.deepcopy(model).double()
@@ -114,7 +126,8 @@ def test_logits_through_triton_kernels(monkeypatch):
                   logits(model, "eager", ids, mask)[real], ref)
 
 
-@pytest.mark.parametrize("kind, cache", [("llama", None), ("mistral", None), ("llama", "static"), ("mistral", "static")])
+@pytest.mark.parametrize("kind, cache", [("llama", None), ("mistral", None), ("llama", "static"), ("mistral", "static"),
+                                         ("gpt_oss", None)])
 def test_generate_gives_eager_greedy_tokens(cpu_backend, kind, cache):
     """Greedy decoding with transformers' own KV caches (dynamic, sliding for mistral, static): eager's tokens."""
     model = make_model(kind, seed=5)
@@ -129,15 +142,18 @@ def test_generate_gives_eager_greedy_tokens(cpu_backend, kind, cache):
     assert torch.equal(tokens["tileattn"], tokens["eager"])
 
 
-def test_training_step_gradients_match(cpu_backend):
-    """Loss and every parameter's gradient of a right-padded training batch, against float64 eager."""
-    _check_training_step("cpu", torch.float32)
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss"])
+def test_training_step_gradients_match(cpu_backend, kind):
+    """Loss and every parameter's gradient (gpt-oss: the sinks' too) of a right-padded training
+    batch, against float64 eager."""
+    _check_training_step("cpu", torch.float32, kind)
 
 
 @pytest.mark.gpu
-def test_training_step_on_cuda():
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss"])
+def test_training_step_on_cuda(kind):
     """The same training step in bf16 on the GPU, through the Triton forward and backward kernels."""
-    _check_training_step("cuda", torch.bfloat16)
+    _check_training_step("cuda", torch.bfloat16, kind)
 
 
 def _token_losses(model, ids, mask=None):
@@ -148,7 +164,7 @@ def _token_losses(model, ids, mask=None):
     return losses if mask is None else losses[mask[:, 1:].bool()]
 
 
-def _check_training_step(device: str, dtype: torch.dtype) -> None:
+def _check_training_step(device: str, dtype: torch.dtype, kind: str = "mistral") -> None:
     """Each token's loss and every parameter's gradient of the mean loss, by the tolerance rule.
 
     The oracle is the model's own weights in float64 with eager attention, each sequence run
@@ -156,7 +172,7 @@ def _check_training_step(device: str, dtype: torch.dtype) -> None:
     (tests/tolerance.py). Losses are compared token by token like logits: their mean, one
     scalar, would let errors cancel and make the rule a comparison of two single samples.
     """
-    model = make_model("mistral", seed=7, device=device, dtype=dtype).train()
+    model = make_model(kind, seed=7, device=device, dtype=dtype).train()
     oracle = copy.deepcopy(model).double().train()
     oracle.set_attn_implementation("eager")
     ids, mask = batch_with_padding(8, [16, 11, 5], left=False, device=device)

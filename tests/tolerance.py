@@ -53,10 +53,12 @@ def assert_within(name: str, fast, plain, ref, factor: float = OUT_FACTOR) -> No
 
 
 def plain_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=0, learnable_sink=None):
     """Textbook attention in torch, in the inputs' own dtype (no upcast): the error budget.
 
-    Layout (B, S, H, D) like flash-attn; returns (out, lse) with lse (B, H, Sq) in float32.
+    Layout (B, S, H, D) like flash-attn; returns (out, lse) with lse (B, H, Sq) in float32
+    (float64 for float64 inputs). ``learnable_sink`` (H,) joins the softmax as an extra column
+    without a value, as gpt-oss's eager attention does. Differentiable in every input.
     """
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -82,8 +84,15 @@ def plain_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if left >= 0:
         seen &= cols >= rows - left
     s = s.masked_fill(~seen.to(s.device), float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    lse_dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+    if learnable_sink is not None:
+        sink = learnable_sink.to(s.dtype).view(1, -1, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        full = torch.cat([s, sink], dim=-1)
+        lse = torch.logsumexp(full.to(lse_dtype), dim=-1)
+        p = torch.softmax(full, dim=-1)[..., :-1]
+    else:
+        lse = torch.logsumexp(s.to(lse_dtype), dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     if dropout_p > 0:
         z = torch.empty(batch, nheads, seqlen_q, seqlen_k)
         r, c = torch.arange(seqlen_q), torch.arange(seqlen_k)

@@ -9,7 +9,7 @@ holds the float64 NumPy ground truth.
 from .ops.attention import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .ops.decode_plan import DecodePlan
 from .ops.kvcache import flash_attn_with_kvcache
-from .ops.merge import merge_many, merge_states
+from .ops.merge import merge_many, merge_sink, merge_states
 from .ops.paged_cache import PagedKVCache
 from .ops.varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
 
@@ -26,5 +26,6 @@ __all__ = [
     "DecodePlan",
     "merge_states",
     "merge_many",
+    "merge_sink",
     "PagedKVCache",
 ]

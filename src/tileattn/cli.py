@@ -231,9 +231,26 @@ def cmd_trace(args) -> None:
     scores, steps, exact = teaching.trace_online_softmax(args.keys, args.tile, args.seed, args.dim)
     console.print(f"One query row, {args.keys} keys in tiles of {args.tile}, head dim {args.dim}.")
     _print(*trace_view(scores, steps, exact, args.tile))
+    if args.sink is not None:
+        show_sink(args)
     if args.plot:
         plot_trace(args.plot, scores, steps)
         console.print(f"plot written to {args.plot}")
+
+
+def show_sink(args) -> None:
+    """The same row's weights without and with a learnable sink of logit ``args.sink``."""
+    scores, plain, with_sink, p_sink = teaching.sink_weights(args.keys, args.sink, args.seed, args.dim)
+    table = Table(title=f"A learnable sink of logit {args.sink:+.2f} on this row")
+    for col in ("key", "score", "weight, no sink", "weight, with sink"):
+        table.add_column(col, justify="right")
+    for j, (s, w0, w1) in enumerate(zip(scores, plain, with_sink)):
+        table.add_row(str(j), f"{s:+.4f}", f"{w0:.4f}", f"{w1:.4f}")
+    table.add_row("sink", f"{args.sink:+.4f}", "-", f"{p_sink:.4f}")
+    table.add_row("sum", "", f"{plain.sum():.4f}", f"{with_sink.sum() + p_sink:.4f}")
+    console.print(table)
+    console.print(f"the sink takes {p_sink:.4f} of the row and has no value:")
+    console.print(f"every weight, and the output, shrinks by {1 - p_sink:.4f}")
 
 
 def plot_trace(path: str, scores, steps) -> None:
@@ -356,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--seed", type=int, default=0, help=seed_help)
     trace.add_argument("--plot", metavar="FILE.png",
                        help="also write a figure of the scores, running max and error (needs matplotlib)")
+    trace.add_argument("--sink", type=float, metavar="LOGIT", help="also show a learnable sink's effect on the row")
     trace.set_defaults(func=cmd_trace)
     memory = sub.add_parser("memory", help="peak intermediate memory, naive vs tiled, measured")
     memory.add_argument("--sizes", type=at_least(1), nargs="+", default=[512, 2048, 8192], metavar="N",

@@ -15,15 +15,16 @@ its outputs, it writes into the ones it is given, so tests can poison them with 
 
     attn_fwd(q, k, v, out, lse, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1) -> None
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None) -> None
 
     attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             deterministic=False) -> None
+             deterministic=False, dlse=None, learnable_sink=None, dsink=None) -> None
 
 Layouts (last dim contiguous; other strides arbitrary, so views work):
 
-* dense:   q (B, Sq, H, D); k, v (B, Sk, Hk, D); out (B, Sq, H, D); lse (B, H, Sq) fp32.
+* dense:   q (B, Sq, H, D); k, v (B, Sk, Hk, D); out (B, Sq, H, D); lse (B, H, Sq) fp32. v (and
+  out, dout, dv) may have a head dim of its own, Dv (MLA); D means q/k's below.
 * varlen:  ``cu_seqlens_q`` given: q (Tq, H, D), out (Tq, H, D), lse (H, Tq); sequence b owns
   rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Keys packed too, k, v (Tk, Hk, D) with
   ``cu_seqlens_k``, unless paged.
@@ -33,7 +34,8 @@ Layouts (last dim contiguous; other strides arbitrary, so views work):
 * ``seqused_k`` (B,) int32, when given, is the number of keys of sequence b (a KV cache
   filled up to there); otherwise Sk (dense) or cu_seqlens_k[b+1] - cu_seqlens_k[b].
 * ``alibi_slopes``: None or (B, H) fp32 (the ops layer expands (H,) with a zero stride).
-* H % Hk == 0: query head h reads key/value head h // (H // Hk). D <= 256.
+* H % Hk == 0: query head h reads key/value head h // (H // Hk). D, Dv <= 256 (Triton); on the
+  CPU D <= 576 and Dv <= 512.
 * Masks: query i of a sequence with seqlen_q, seqlen_k sees key j iff
   j <= i + (seqlen_k - seqlen_q) + window_right (if window_right >= 0) and
   j >= i + (seqlen_k - seqlen_q) - window_left (if window_left >= 0). causal == window_right 0.
@@ -45,6 +47,11 @@ Layouts (last dim contiguous; other strides arbitrary, so views work):
 * Dropout (params.dropout_p > 0): element (b, h, i, j) is kept iff
   ``tileattn.dropout_mask.keep_mask(params.dropout_seed, b * H + h, i, j, p)``; kept
   probabilities are scaled by 1 / (1 - p); the LSE is unaffected.
+* ``learnable_sink``: None or (H,) fp32, one logit per query head that joins each row's softmax
+  denominator without a value: lse = log(sum_j exp(s_ij) + exp(sink_h)), included in the
+  returned lse; once per row, whatever num_splits. ``dsink`` (H,) receives its gradient.
+* ``dlse``: None or shaped like lse, the gradient reaching the returned lse; the backward computes
+  the gradients of sum(out * dout) + sum(lse * dlse) (delta = rowsum(dout * out) - dlse).
 * The backward recomputes scores from q, k and the saved lse (no N x N buffer). dk, dv for a
   shared key/value head are summed over its query-head group. ``deterministic`` asks for
   bitwise-identical gradients run after run.

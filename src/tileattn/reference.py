@@ -31,6 +31,17 @@ Score modifications, applied in this order to s = scale * q.k:
     alibi slope:  s = s - slope * |i + off - j|
 then masked entries become -inf, and with dropout_p > 0 the normalised probabilities are
 multiplied by keep / (1 - p) (``tileattn.dropout_mask``; the LSE is not affected).
+
+Learnable sinks (``learnable_sink``, one logit per query head, natural units, as gpt-oss and
+flash-attn 4): the sink joins every row's softmax denominator but has no value row::
+
+    lse_i = log(sum_j exp(s_ij) + exp(sink_h)),   out_i = sum_j exp(s_ij - lse_i) v_j
+
+It is a key of score sink_h and value 0 that every row sees, so it enters each row exactly
+once: the recurrence starts from the state (m = sink_h, l = 1, acc = 0) instead of
+(-inf, 0, 0), and split or merged computations merge the sink's state (0, sink_h) once after
+the splits. The returned LSE includes the sink; a row that sees no key gets out 0 and
+lse = sink_h (all its probability goes to the sink).
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ __all__ = [
     "attention_naive_grad",
     "merge_states",
     "merge_many",
+    "merge_sink",
     "online_softmax_step",
 ]
 
@@ -101,12 +113,19 @@ def _dropout_scale(opts, bh, rows, cols):
     return keep / (1.0 - p)
 
 
-def _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed):
+def _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+             learnable_sink=None):
     batch, _, nheads, headdim = q.shape
     slopes = np.zeros((batch, nheads))
     if alibi_slopes is not None:
         slopes = np.broadcast_to(_f64(alibi_slopes), (batch, nheads))
+    sinks = None
+    if learnable_sink is not None:
+        sinks = _f64(learnable_sink).reshape(-1)
+        if sinks.shape != (nheads,):
+            raise ValueError(f"learnable_sink must have shape ({nheads},), got {sinks.shape}")
     return {
+        "sinks": sinks,
         "softmax_scale": headdim**-0.5 if softmax_scale is None else float(softmax_scale),
         "causal": bool(causal),
         "window_size": tuple(window_size),
@@ -145,6 +164,16 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     return w_a * _f64(o_a) + w_b * _f64(o_b), lse
 
 
+def merge_sink(o, lse, learnable_sink):
+    """Merge the sinks' states (out 0, lse sink_h) into ``(o, lse)``, once per row: what a split or
+    ring computation does after merging its partial states. ``lse`` is (batch, nheads, seqlen_q)
+    or packed (nheads, total); ``learnable_sink`` (nheads,)."""
+    lse = _f64(lse)
+    sink = _f64(learnable_sink).reshape(-1)
+    sink = np.broadcast_to(sink[:, None], lse.shape)
+    return merge_states(o, lse, np.zeros_like(_f64(o)), sink)
+
+
 def merge_many(outs, lses):
     """Fold :func:`merge_states` over a list of states (the merge is associative)."""
     o, lse = outs[0], lses[0]
@@ -156,11 +185,31 @@ def merge_many(outs, lses):
 # ------------------------------------------------------------------------ the algorithms
 
 
+def _probabilities(s, sink):
+    """Row-softmax of the scores ``s`` with the sink (or None) in the denominator.
+
+    Returns (probs, lse); a row with no visible key and no sink has probs 0 and lse -inf."""
+    m = s.max(axis=1, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    live = ~np.isneginf(m)
+    m_use = np.where(live, m, 0.0)
+    p = np.exp(s - m_use[:, None])
+    l = p.sum(axis=1) + (0.0 if sink is None else np.exp(sink - m_use))
+    probs = np.where(live[:, None], p / np.where(live, l, 1.0)[:, None], 0.0)
+    return probs, np.where(live, m_use + np.log(np.where(live, l, 1.0)), -np.inf)
+
+
+def _sink(opts, h):
+    return None if opts["sinks"] is None else opts["sinks"][h]
+
+
 def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0, learnable_sink=None):
     """softmax(q k^T * scale) v with the whole score matrix in memory."""
     q, k, v = _f64(q), _f64(k), _f64(v)
-    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed)
+    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                    learnable_sink)
     batch, seqlen_q, _, _ = q.shape
     seqlen_k = k.shape[1]
     nheads, group = _heads(q, k)
@@ -170,14 +219,9 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     for b in range(batch):
         for h in range(nheads):
             s = _scores(q[b, :, h], k[b, :, h // group], rows, cols, seqlen_q, seqlen_k, opts, opts["slopes"][b, h])
-            m = s.max(axis=1, initial=-np.inf)
-            live = ~np.isneginf(m)
-            p = np.exp(s - np.where(live, m, 0.0)[:, None])
-            l = p.sum(axis=1)
-            probs = np.where(live[:, None], p / np.where(live, l, 1.0)[:, None], 0.0)
+            probs, lse[b, h] = _probabilities(s, _sink(opts, h))
             probs = probs * _dropout_scale(opts, b * nheads + h, rows, cols)
             out[b, :, h] = probs @ v[b, :, h // group]
-            lse[b, h] = np.where(live, m + np.log(np.where(live, l, 1.0)), -np.inf)
     return out, lse
 
 
@@ -200,19 +244,18 @@ def online_softmax_step(m, l, acc, s, v_tile, drop=1.0, guard=True):
     return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + (p * drop) @ v_tile, alpha
 
 
-def _online_softmax(score_tiles, guard=True):
+def _online_softmax(score_tiles, rows, headdim_v, guard=True, sink=None):
     """The FlashAttention recurrence (``online_softmax_step``) over (scores, values,
     dropout-scale) key tiles, then ``out = acc / l`` and ``lse = m + log l``.
 
-    ``guard=False`` omits the fully-masked guard: a row whose first tiles are all -inf
-    computes exp(-inf - (-inf)) = NaN.
+    The state starts at (m, l, acc) = (-inf, 0, 0), or with a sink at (sink, 1, 0): the sink
+    is a key every row sees, of score ``sink`` and value 0. ``guard=False`` omits the
+    fully-masked guard: a row whose first tiles are all -inf computes exp(-inf - (-inf)) = NaN.
     """
-    m = l = acc = None
+    m = np.full(rows, -np.inf if sink is None else sink)
+    l = np.full(rows, 0.0 if sink is None else 1.0)
+    acc = np.zeros((rows, headdim_v))
     for s, v_tile, drop in score_tiles:
-        if m is None:
-            m = np.full(s.shape[0], -np.inf)
-            l = np.zeros(s.shape[0])
-            acc = np.zeros((s.shape[0], v_tile.shape[-1]))
         m, l, acc, _ = online_softmax_step(m, l, acc, s, v_tile, drop, guard)
     empty = l == 0
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -225,18 +268,19 @@ def _online_softmax(score_tiles, guard=True):
     return out, lse
 
 
-def _tiled_rows(q_bh, rows, key_tiles, seqlen_q, seqlen_k, opts, slope, bh, guard):
+def _tiled_rows(q_bh, rows, key_tiles, seqlen_q, seqlen_k, opts, slope, bh, guard, headdim_v, sink=None):
     """Run the recurrence for a block of query rows over ``key_tiles`` = [(cols, k, v)]."""
     tiles = (
         (_scores(q_bh, k_t, rows, cols, seqlen_q, seqlen_k, opts, slope), v_t,
          _dropout_scale(opts, bh, rows, cols))
         for cols, k_t, v_t in key_tiles
     )
-    return _online_softmax(tiles, guard)
+    return _online_softmax(tiles, len(rows), headdim_v, guard, sink)
 
 
 def attention_tiled(q, k, v, *, block_m=64, block_n=64, guard=True, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0,
+                    learnable_sink=None):
     """FlashAttention: query blocks of ``block_m`` rows, key/value tiles of ``block_n``.
 
     Only a (block_m, block_n) score tile and the (block_m,) running statistics exist at
@@ -245,7 +289,8 @@ def attention_tiled(q, k, v, *, block_m=64, block_n=64, guard=True, softmax_scal
     if block_m < 1 or block_n < 1:
         raise ValueError("tile sizes must be >= 1")
     q, k, v = _f64(q), _f64(k), _f64(v)
-    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed)
+    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                    learnable_sink)
     batch, seqlen_q, _, _ = q.shape
     seqlen_k = k.shape[1]
     nheads, group = _heads(q, k)
@@ -259,13 +304,13 @@ def attention_tiled(q, k, v, *, block_m=64, block_n=64, guard=True, softmax_scal
             for start in range(0, seqlen_q, block_m):
                 rows = np.arange(start, min(start + block_m, seqlen_q))
                 o_blk, lse_blk = _tiled_rows(q[b, rows, h], rows, key_tiles, seqlen_q, seqlen_k, opts,
-                                             opts["slopes"][b, h], b * nheads + h, guard)
+                                             opts["slopes"][b, h], b * nheads + h, guard, v.shape[-1], _sink(opts, h))
                 out[b, rows, h], lse[b, h, rows] = o_blk, lse_blk
     return out, lse
 
 
 def attention_paged(q, k_pool, v_pool, block_table, seq_lens, *, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None):
     """FlashAttention over a paged KV cache: one key tile per page of the block table.
 
     ``k_pool`` and ``v_pool`` are (num_blocks, block_size, nheads_k, headdim); sequence b's
@@ -273,7 +318,7 @@ def attention_paged(q, k_pool, v_pool, block_table, seq_lens, *, softmax_scale=N
     p < seq_lens[b]. The queries are the last seqlen_q positions of each sequence.
     """
     q, k_pool, v_pool = _f64(q), _f64(k_pool), _f64(v_pool)
-    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, 0)
+    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, 0, learnable_sink)
     batch, seqlen_q, _, _ = q.shape
     block_size = k_pool.shape[1]
     nheads, group = _heads(q, k_pool)
@@ -289,15 +334,16 @@ def attention_paged(q, k_pool, v_pool, block_table, seq_lens, *, softmax_scale=N
                 blk = int(block_table[b, page])
                 key_tiles.append((np.arange(start, start + n), k_pool[blk, :n, h // group], v_pool[blk, :n, h // group]))
             o_bh, lse_bh = _tiled_rows(q[b, :, h], rows, key_tiles, seqlen_q, seqlen_k, opts,
-                                       opts["slopes"][b, h], b * nheads + h, True)
+                                       opts["slopes"][b, h], b * nheads + h, True, v_pool.shape[-1], _sink(opts, h))
             out[b, :, h], lse[b, h] = o_bh, lse_bh
     return out, lse
 
 
 def attention_split(q, k, v, *, num_splits, block_n=64, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0, learnable_sink=None):
     """Flash-decoding: the keys cut into ``num_splits`` contiguous ranges, each range runs the
-    recurrence on its own (as separate workers would), the partial (o, lse) states merged."""
+    recurrence on its own (as separate workers would), the partial (o, lse) states merged,
+    then the sinks' states (once, not once per split)."""
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
     q, k, v = _f64(q), _f64(k), _f64(v)
@@ -305,7 +351,8 @@ def attention_split(q, k, v, *, num_splits, block_n=64, softmax_scale=None, caus
     seqlen_k = k.shape[1]
     bounds = np.linspace(0, seqlen_k, num_splits + 1).round().astype(int)
     states = [_attention_on_key_range(q, k, v, lo, hi, block_n, opts) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    return merge_many([o for o, _ in states], [lse for _, lse in states])
+    out, lse = merge_many([o for o, _ in states], [lse for _, lse in states])
+    return (out, lse) if learnable_sink is None else merge_sink(out, lse, learnable_sink)
 
 
 def _attention_on_key_range(q, k, v, lo, hi, block_n, opts):
@@ -324,12 +371,12 @@ def _attention_on_key_range(q, k, v, lo, hi, block_n, opts):
             if not key_tiles:
                 continue
             out[b, :, h], lse[b, h] = _tiled_rows(q[b, :, h], rows, key_tiles, seqlen_q, seqlen_k, opts,
-                                                  opts["slopes"][b, h], b * nheads + h, True)
+                                                  opts["slopes"][b, h], b * nheads + h, True, v.shape[-1])
     return out, lse
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0, learnable_sink=None):
     """Packed batch: q (total_q, nheads, d), k/v (total_k, nheads_k, d); sequence b owns
     rows cu_seqlens[b]:cu_seqlens[b+1]. Returns out (total_q, nheads, d), lse (nheads, total_q).
     ``alibi_slopes`` may be (nheads,) or (batch, nheads); dropout counts b as the sequence."""
@@ -341,56 +388,66 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None,
     for b in range(batch):
         qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         ks, ke = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
-        if qe == qs or ke == ks:
+        if qe == qs:
             continue
         opts = _options(q[None, qs:qe], softmax_scale, causal, window_size, softcap,
-                        None if slopes is None else slopes[b], dropout_p, dropout_seed)
+                        None if slopes is None else slopes[b], dropout_p, dropout_seed, learnable_sink)
         _, group = _heads(q[None], k[None])
         rows, cols = np.arange(qe - qs), np.arange(ke - ks)
         for h in range(nheads):
             key_tiles = [(cols, k[ks:ke, h // group], v[ks:ke, h // group])]
             # dropout's head counter for sequence b is b * nheads + h
             out[qs:qe, h], lse[h, qs:qe] = _tiled_rows(q[qs:qe, h], rows, key_tiles, qe - qs, ke - ks, opts,
-                                                       opts["slopes"][0, h], b * nheads + h, True)
+                                                       opts["slopes"][0, h], b * nheads + h, True, v.shape[-1],
+                                                       _sink(opts, h))
     return out, lse
 
 
 # --------------------------------------------------------------------------- gradients
 
 
-def attention_naive_grad(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                         softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
-    """Gradients (dq, dk, dv) of sum(out * dout) for :func:`attention_naive`.
+def attention_naive_grad(q, k, v, dout, *, dlse=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=0, learnable_sink=None):
+    """Gradients (dq, dk, dv) of sum(out * dout) + sum(lse * dlse) for :func:`attention_naive`;
+    with ``learnable_sink`` (dq, dk, dv, dsink).
 
-    With P the softmax, Z = keep / (1 - p) and O = (P Z) V:
-        dV = (P Z)^T dO,  dP = (dO V^T) Z,  dS = P (dP - rowsum(dP P)),
-        through softcap dS *= 1 - tanh^2,   dQ = scale dS K,  dK = scale dS^T Q.
+    With P the softmax (sink in the denominator), Z = keep / (1 - p) and O = (P Z) V:
+        dV = (P Z)^T dO,  dP = (dO V^T) Z,  delta = rowsum(dO * O) - dlse,  dS = P (dP - delta),
+        through softcap dS *= 1 - tanh^2,   dQ = scale dS K,  dK = scale dS^T Q,
+        dsink_h = -sum over batch and rows of P_sink delta,  P_sink = exp(sink_h - lse).
+    (rowsum(dO * O) = rowsum(P dP); d lse / d s_j = P_j and d lse / d sink = P_sink.)
     Key/value heads shared by a group of query heads receive the sum of the group's gradients.
+    ``dlse`` is (batch, nheads, seqlen_q) like the LSE, or None (0).
     """
     q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
-    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed)
+    opts = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                    learnable_sink)
     batch, seqlen_q, _, _ = q.shape
     seqlen_k = k.shape[1]
     nheads, group = _heads(q, k)
+    dlse = np.zeros((batch, nheads, seqlen_q)) if dlse is None else _f64(dlse)
     rows, cols = np.arange(seqlen_q), np.arange(seqlen_k)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsink = np.zeros(nheads)
     scale, cap = opts["softmax_scale"], opts["softcap"]
     for b in range(batch):
         for h in range(nheads):
             hk = h // group
             s = _scores(q[b, :, h], k[b, :, hk], rows, cols, seqlen_q, seqlen_k, opts, opts["slopes"][b, h])
-            m = s.max(axis=1, initial=-np.inf)
-            live = ~np.isneginf(m)
-            p = np.exp(s - np.where(live, m, 0.0)[:, None])
-            p = np.where(live[:, None], p / np.where(live, p.sum(axis=1), 1.0)[:, None], 0.0)
+            p, lse = _probabilities(s, _sink(opts, h))
             z = _dropout_scale(opts, b * nheads + h, rows, cols)
             do = dout[b, :, h]
             dv[b, :, hk] += (p * z).T @ do
             dp = (do @ v[b, :, hk].T) * z
-            ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+            delta = (dp * p).sum(axis=1) - np.where(np.isneginf(lse), 0.0, dlse[b, h])
+            ds = p * (dp - delta[:, None])
             if cap > 0:
                 raw = (q[b, :, h] @ k[b, :, hk].T) * scale
                 ds = ds * (1.0 - np.tanh(raw / cap) ** 2)
             dq[b, :, h] = scale * ds @ k[b, :, hk]
             dk[b, :, hk] += scale * ds.T @ q[b, :, h]
+            if opts["sinks"] is not None:
+                dsink[h] -= (np.exp(opts["sinks"][h] - lse) * delta).sum()
+    if opts["sinks"] is not None:
+        return dq, dk, dv, dsink
     return dq, dk, dv

@@ -8,6 +8,7 @@ printed by ``tileattn.cli``.
   case fits.
 * :func:`masked_tile` — the NaN of the unguarded recurrence when a row's first key tile is masked.
 * :func:`trace_online_softmax` — the recurrence on one query row, tile by tile.
+* :func:`sink_weights` — what a learnable attention sink does to one row's weights.
 * :func:`public_api_agreement` — ``tileattn.flash_attn_func`` against the reference;
   :func:`bench_cases` / :func:`time_calls` — against torch, timed.
 """
@@ -220,6 +221,25 @@ def trace_online_softmax(keys: int = 16, tile: int = 4, seed: int = 0, headdim: 
                                bool(lo and m_new[0] > m[0]), float(l[0]), o, float(np.abs(o - exact).max())))
         m = m_new
     return scores, steps, exact
+
+
+def sink_weights(keys: int = 8, sink: float = 1.0, seed: int = 0, headdim: int = 4):
+    """One query row's attention weights without and with a learnable sink (gpt-oss)::
+
+        plain_j = exp(s_j - lse),        lse  = log sum_j exp(s_j)
+        with_j  = exp(s_j - lse_s),      lse_s = log(sum_j exp(s_j) + exp(sink)),  p_sink = exp(sink - lse_s)
+
+    The sink takes p_sink of the row's probability and gives back no value: every key's weight
+    shrinks by the same factor 1 - p_sink, and so does the output. Both LSEs come from
+    ``reference.attention_naive``. Returns ``(scores, plain, with_sink, p_sink)``.
+    """
+    if keys < 1:
+        raise ValueError(f"keys ({keys}) must be >= 1")
+    q, k, v = random_qkv(np.random.default_rng(seed), 1, 1, keys, 1, 1, headdim)
+    scores = (k[0, :, 0] @ q[0, 0, 0]) * headdim**-0.5
+    lse = ref.attention_naive(q, k, v)[1][0, 0, 0]
+    lse_s = ref.attention_naive(q, k, v, learnable_sink=np.array([sink]))[1][0, 0, 0]
+    return scores, np.exp(scores - lse), np.exp(scores - lse_s), float(np.exp(sink - lse_s))
 
 
 # ------------------------------------------------------------- the public torch API

@@ -16,11 +16,16 @@ repeating K or V. Forward, per query block and key tile (natural-log units)::
 with ``z = keep / (1 - dropout_p)`` the dropout scale (1 without dropout), and at the end
 ``out = o / l``, ``lse = m + log l``. A row whose keys are all masked so far has ``m = -inf``; it is shifted by 0 instead (the guard), so it stays at
 ``l = 0`` and ends as ``out = 0, lse = -inf`` without a NaN. Key tiles entirely outside a
-query block's window are never visited. The backward recomputes ``p = exp(s - lse)`` per
-tile and accumulates, with ``delta = rowsum(dout * out)``::
+query block's window are never visited. Learnable sinks (one logit per query head) are
+merged into each row's final state once, as the state (out 0, lse sink_h):
+``lse' = logaddexp(lse, sink_h)``, ``out' = exp(lse - lse') out``.
+
+The backward recomputes ``p = exp(s - lse)`` per tile (with the sink inside lse, p is the
+sink-normalised softmax) and accumulates, with ``delta = rowsum(dout * out) - dlse`` (dlse
+the gradient reaching the returned LSE, 0 if none)::
 
     dv += (p z)^T dout;   ds = p ((dout v^T) z - delta);   softcap: ds *= 1 - tanh^2
-    dq += scale ds k;     dk += scale ds^T q
+    dq += scale ds k;     dk += scale ds^T q;     dsink_h -= sum_rows exp(sink_h - lse) delta
 
 in a fixed order, so gradients are bitwise reproducible. Extra memory: fp32 (fp64 for
 float64 inputs) copies of q, k, v, out-sized buffers, i.e. O(N * D), plus score tiles of
@@ -262,7 +267,15 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
     return o.div_(l.clamp_(min=torch.finfo(T.acc).tiny).unsqueeze(-1)), lse
 
 
-def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, block_n, tile_elems):
+def _add_sink(o_buf, lse_buf, sink, B):
+    """Merge the sink states (out 0, lse sink_h) into o_buf [B*H, Sq, Dv], lse_buf [B*H, Sq], in place."""
+    sink_bh = sink.to(lse_buf.dtype).repeat(B).unsqueeze(-1)  # [B*H, 1]
+    lse_new = torch.logaddexp(lse_buf, sink_bh)
+    o_buf.mul_((lse_buf - lse_new).exp_().unsqueeze(-1))  # exp(-inf) = 0 where the row saw no key
+    lse_buf.copy_(lse_new)
+
+
+def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, block_m, block_n, tile_elems):
     """Forward for sequences of equal lengths: q4 (B, Sq, H, D), k4/v4 (B, Sk, Hk, D)."""
     B, Sq, H, _ = q4.shape
     Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
@@ -270,13 +283,13 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, 
         return
     if Sk == 0:
         out4.zero_()
-        lse3.fill_(float("-inf"))
+        lse3.copy_(torch.full_like(lse3, float("-inf")) if sink is None else sink.view(1, H, 1).expand_as(lse3))
         return
     acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
     if num_splits == 1 and T.chunk == B * Hk and T.bm == Sq and T.bn == Sk:
-        _fwd_one_tile(T, qc, k4, v4, out4, lse3)
+        _fwd_one_tile(T, qc, k4, v4, out4, lse3, sink)
         return
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc)
@@ -301,11 +314,13 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, b0, params, num_splits, block_m, 
                                     [lse.view(-1, 1, i1 - i0) for _, lse in parts])
             _scatter_q(o_buf, o.reshape(t1 - t0, -1, Dv), t0, t1, T.G, i0, i1)
             _scatter_q(lse_buf, lse.reshape(t1 - t0, -1), t0, t1, T.G, i0, i1)
+    if sink is not None:
+        _add_sink(o_buf, lse_buf, sink, B)
     out4.copy_(o_buf.view(B, H, Sq, Dv).transpose(1, 2))
     lse3.copy_(lse_buf.view(B, H, Sq))
 
 
-def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3):
+def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
     """``_fwd_group`` when the whole problem is one tile (small problems: decoding, short
     prefills): the same recurrence, one step of it, without the staging buffers the general
     loop needs (tile-sized copies, gathers and scatters cost more than the arithmetic here)."""
@@ -314,13 +329,15 @@ def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3):
     kc = k4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, k4.shape[-1])  # [B*Hk, Sk, D]
     vc = v4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, Dv)
     o, lse = _fwd_range(T, qc.view(B * Hk, T.G * Sq, -1), kc, vc, 0, 0, Sq, 0, T.Sk)  # [B*Hk, G*Sq, ...]
+    if sink is not None:  # rows (hk, g, i) are those of head hk * G + g: the [B*H, Sq] layout
+        _add_sink(o.view(B * H, Sq, Dv), lse.view(B * H, Sq), sink, B)
     out4.view(B, Sq, Hk, T.G, Dv).copy_(o.view(B, Hk, T.G, Sq, Dv).permute(0, 3, 1, 2, 4))
     lse3.copy_(lse.view(B, H, Sq))
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1,
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None,
              block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
     """Attention forward into ``out`` and ``lse`` (layouts: ``tileattn.contract``).
 
@@ -335,28 +352,38 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
         _fwd_group(batch.rows(q, bs), batch.keys(k, bs), batch.keys(v, bs), batch.rows(out, bs),
-                   batch.lse_rows(lse, bs), slopes, bs.start, params, num_splits, block_m, block_n, tile_elems)
+                   batch.lse_rows(lse, bs), slopes, learnable_sink, bs.start, params, num_splits, block_m, block_n,
+                   tile_elems)
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, block_m, block_n, tile_elems):
-    """Backward for sequences of equal lengths (shapes as in :func:`_fwd_group`)."""
+def _bwd_group(do4, q4, k4, v4, o4, lse3, dlse3, dq4, dk4, dv4, dsink, slopes, sink, b0, params, block_m, block_n,
+               tile_elems):
+    """Backward for sequences of equal lengths (shapes as in :func:`_fwd_group`); adds this
+    group's share of d sink to ``dsink`` (H,) when there are sinks."""
     B, Sq, H, D = q4.shape
     Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    acc = _acc_dtype(q4.dtype)
+    if Sq > 0:
+        doc = _heads_first(do4, acc)  # [B*H, Sq, Dv]
+        delta = (doc * _heads_first(o4, acc)).sum(dim=-1)  # [B*H, Sq]
+        lse_n = lse3.reshape(B * H, Sq).to(acc)
+        if dlse3 is not None:  # d lse / d s_j = p_j: ds gains p * dlse, i.e. delta loses dlse
+            delta -= torch.where(lse_n.isneginf(), 0.0, dlse3.reshape(B * H, Sq).to(acc))
+        if sink is not None:  # d lse / d sink = exp(sink - lse), d out / d sink = -exp(sink - lse) out
+            p_sink = (sink.to(acc).repeat(B).unsqueeze(-1) - lse_n).exp()  # [B*H, Sq]
+            dsink -= (p_sink * delta).view(B, H, Sq).sum(dim=(0, 2)).to(dsink.dtype)
     if Sq == 0 or Sk == 0:
         dq4.zero_()
         dk4.zero_()
         dv4.zero_()
         return
-    acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
-    doc = _heads_first(do4, acc)  # [B*H, Sq, Dv]
-    delta = (doc * _heads_first(o4, acc)).sum(dim=-1)  # [B*H, Sq]
-    lse_c = lse3.reshape(B * H, Sq).to(acc) * LOG2E
+    lse_c = lse_n * LOG2E
     lse_c = lse_c.masked_fill(lse_c.isneginf(), float("inf"))  # rows with no key: p = 0
     dq_buf = torch.zeros(B * H, Sq, D, dtype=acc)
     dk_buf, dv_buf = torch.zeros(B * Hk, Sk, D, dtype=acc), torch.zeros(B * Hk, Sk, Dv, dtype=acc)
@@ -400,12 +427,15 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4, slopes, b0, params, blo
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             deterministic=False, block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
-    """Gradients of ``sum(out * dout)`` into ``dq``, ``dk``, ``dv`` (layouts: ``tileattn.contract``).
+             deterministic=False, dlse=None, learnable_sink=None, dsink=None,
+             block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
+    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` into ``dq``, ``dk``, ``dv`` and, with
+    ``learnable_sink``, ``dsink`` (layouts: ``tileattn.contract``).
 
     Always deterministic (one thread of tiles in a fixed order), so ``deterministic`` is
     accepted and changes nothing.
     """
+    assert (learnable_sink is None) == (dsink is None), "learnable_sink and dsink come together"
     packed = cu_seqlens_q is not None
     assert packed == (cu_seqlens_k is not None), "inputs are validated by tileattn.ops"
     nbatch = q.shape[0] if not packed else len(cu_seqlens_q) - 1
@@ -414,8 +444,11 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_s
         dq.zero_()
         dk.zero_()
         dv.zero_()
+    if dsink is not None:
+        dsink.zero_()
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
         _bwd_group(batch.rows(dout, bs), batch.rows(q, bs), batch.keys(k, bs), batch.keys(v, bs),
-                   batch.rows(out, bs), batch.lse_rows(lse, bs), batch.rows(dq, bs), batch.keys(dk, bs),
-                   batch.keys(dv, bs), slopes, bs.start, params, block_m, block_n, tile_elems)
+                   batch.rows(out, bs), batch.lse_rows(lse, bs), None if dlse is None else batch.lse_rows(dlse, bs),
+                   batch.rows(dq, bs), batch.keys(dk, bs), batch.keys(dv, bs), dsink, slopes, learnable_sink,
+                   bs.start, params, block_m, block_n, tile_elems)

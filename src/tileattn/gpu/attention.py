@@ -67,13 +67,14 @@ def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size):
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32)."""
-    head_dim_pad, elem = kwargs["HEAD_DIM_PAD"], named_args["Q"].element_size()
+    head_dim_pad = max(kwargs["HEAD_DIM_PAD"], kwargs.get("HEAD_DIM_V_PAD", 0))  # the larger of q/k's and v's
+    elem = named_args["Q"].element_size()
     kept = [c for c in configs
             if _smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, head_dim_pad, elem) <= SMEM_BUDGET]
     return kept or [configs[-1]]
 
 
-_TUNE_KEY = ["HEAD_DIM_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
+_TUNE_KEY = ["HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
 _PLANS: dict[tuple, "FwdPlan"] = {}
 _FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's integers start here
 # where a call's own key strides and length go among them when the plan takes those per call
@@ -145,7 +146,7 @@ def clear_plans() -> None:
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1) -> None:
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None) -> None:
     """Attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (see ``tileattn.contract``).
 
     ``out[..., i, h, :] = sum_j softmax_j(s_ij) v_j`` (dropout-scaled when asked) and
@@ -159,24 +160,27 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     assert num_splits >= 0 and (seqused_k is not None or not paged), "inputs are validated by tileattn.ops"
-    if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
-                         num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
+    if learnable_sink is None and hopper_fwd_reason(  # the Hopper kernel has no sinks yet
+            q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged, seqused_k=seqused_k,
+            num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
         hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, seqused_k, block_table, num_splits)
+                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
     plan = _PLANS.get(key) or _new_plan(key)
-    plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+             learnable_sink=learnable_sink)
 
 
 def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1) -> "FwdPlan":
+             max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1,
+             learnable_sink=None) -> "FwdPlan":
     """The plan of the portable kernel for these arguments (the Hopper kernel is never planned:
     it takes no decoding shapes), for a caller that launches it many times itself
     (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, seqused_k, block_table, num_splits)
+                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
     return _PLANS.get(key) or _new_plan(key)
 
 
@@ -194,7 +198,7 @@ def _new_plan(key: tuple) -> "FwdPlan":
 
 
 def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              seqused_k, block_table, num_splits) -> tuple:
+              seqused_k, block_table, num_splits, learnable_sink=None) -> tuple:
     """Everything ``FwdPlan`` reads: the launch depends on the call through this tuple only.
 
     Of the optional tensors: alibi's strides, the batch of cu_seqlens, the block table's width
@@ -218,6 +222,7 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if cu_seqlens_k is None else cu_seqlens_k.dtype,
             None if seqused_k is None else seqused_k.dtype,
             None if block_table is None else (block_table.shape[1], block_table.stride(0), block_table.dtype),
+            None if learnable_sink is None else learnable_sink.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0, params.dropout_p > 0)
 
@@ -233,7 +238,7 @@ class FwdPlan:
     def __init__(self, key: tuple):
         (q_shape, q_stride, kv, o_stride, l_stride,
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
-         alibi, cu_q, cu_k, seqused, table, max_seqlen_q, max_seqlen_k, num_splits,
+         alibi, cu_q, cu_k, seqused, table, sink, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, has_softcap, has_dropout) = key
         self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
         if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
@@ -274,6 +279,9 @@ class FwdPlan:
             seqlen_k = k_shape[1]
         group = nheads // nheads_k
         head_dim_pad = max(16, next_power_of_2(head_dim))
+        head_dim_v = v_shape[-1]  # the output's head dim too; may differ from q/k's (MLA)
+        head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
+        smem_dim = max(head_dim_pad, head_dim_v_pad)  # shared-memory estimates: the larger tile width
         elem_size = q_dtype.itemsize
 
         pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
@@ -281,10 +289,10 @@ class FwdPlan:
         heads_grid = nheads_k if pack_gqa else nheads
         decode = max_rows <= DECODE_MAX_ROWS
         block_m = max(16, next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
-        block_n, stages = _decode_tile(block_m, page_size if paged else 0, head_dim_pad, elem_size)
+        block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size)
         if num_splits == 0:
             programs = batch * heads_grid * cdiv(max_rows, block_m)
-            smem = _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size)
+            smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size)
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
         split_kv = num_splits > 1
         self.num_splits = num_splits
@@ -292,7 +300,8 @@ class FwdPlan:
         self.workspace_shapes = None
         if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
             rows_b, rows_s = (1, q_shape[0]) if varlen else (batch, seqlen_q)
-            self.workspace_shapes = ((num_splits, rows_b, rows_s, nheads, head_dim), (num_splits, rows_b, nheads, rows_s))
+            self.workspace_shapes = ((num_splits, rows_b, rows_s, nheads, head_dim_v),
+                                     (num_splits, rows_b, nheads, rows_s))
             o_strides = contiguous_strides(self.workspace_shapes[0])[:4]
             l_strides = contiguous_strides(self.workspace_shapes[1])[:4]
             if varlen:  # the kernel indexes packed tokens with batch stride 0
@@ -314,12 +323,14 @@ class FwdPlan:
             nheads, seqlen_q, seqlen_k, max_rows, num_splits,
         )
         flags = dict(
-            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
+            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
+            HEAD_DIM_V_PAD=head_dim_v_pad, PAGE_SIZE=page_size,
             IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused is not None,
             PACK_GQA=pack_gqa, SPLIT_KV=split_kv,
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
             DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            HAS_SINK=sink is not None,
         )
         self.flags = flags
 
@@ -330,8 +341,8 @@ class FwdPlan:
         ws_dtype = torch.float32 if split_kv else None
         # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``)
         self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype,
-                            None if alibi is None else alibi[-1], None if cu_q is None else cu_q[-1], cu_k, seqused,
-                            None if table is None else table[-1]), int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
+                            None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k,
+                            seqused, None if table is None else table[-1]), int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
         self.tuned = self.tune_key = None
         if decode:
             self.fwd = launch_for(_attn_fwd_kernel, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
@@ -343,16 +354,16 @@ class FwdPlan:
             self.tune_key = tuple(flags[name] for name in _TUNE_KEY) + (q_dtype,)
         else:  # the first config that fits in shared memory
             self._use_config(_prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
-                                            HEAD_DIM_PAD=head_dim_pad)[0])
+                                            HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V_PAD=head_dim_v_pad)[0])
         self.combine = None
         if split_kv:
             self.combine, self.combine_grid, self.combine_ints = _combine_launch(
-                self.workspace_shapes, varlen, o_stride, l_stride, head_dim, head_dim_pad, o_dtype, l_dtype)
+                self.workspace_shapes, varlen, o_stride, l_stride, head_dim_v, head_dim_v_pad, o_dtype, l_dtype, sink)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-            block_table, workspace: tuple | None = None) -> None:
-        """Launch the plan on one call's tensors (they must have the plan's key). ``workspace``:
-        the split partials' buffers from ``new_workspace``, else they are allocated here."""
+            block_table, workspace: tuple | None = None, learnable_sink=None) -> None:
+        """Launch the plan on one call's tensors (they must have the plan's key, sinks included).
+        ``workspace``: the split partials' buffers from ``new_workspace``, else they are allocated here."""
         if self.workspace_shapes is not None:
             o_dst, l_dst = workspace or self.new_workspace(q.device)
         else:
@@ -362,7 +373,8 @@ class FwdPlan:
         if self.kv_per_call:  # this call's key and value strides (k then v, 3 each) and key length
             ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
             ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
-        args = (q, k, v, o_dst, l_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *ints,
+        args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                block_table, *ints,
                 float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
                 params.window_right, params.dropout_seed, keep_threshold(dropout_p),
                 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
@@ -371,7 +383,7 @@ class FwdPlan:
         else:
             self._tuned_launch(args)
         if self.combine is not None:
-            self.combine(self.combine_grid, o_dst, l_dst, out, lse, *self.combine_ints)
+            self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
 
     def new_workspace(self, device) -> tuple | None:
         """fp32 buffers for the split partial states (o, lse), or None without splits."""
@@ -398,9 +410,9 @@ class FwdPlan:
 
 
 def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
-                    l_dtype) -> tuple[Launch, tuple, tuple]:
-    """The merge of the (splits, B, Sq, H, D) partials into ``out``/``lse`` (varlen as B = 1):
-    its launch, grid and integer arguments."""
+                    l_dtype, sink) -> tuple[Launch, tuple, tuple]:
+    """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their
+    dtype or None), into ``out``/``lse`` (varlen as B = 1): its launch, grid and integer arguments."""
     (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
     po, pl = contiguous_strides(workspace[0]), contiguous_strides(l_shape)
     if varlen:
@@ -408,6 +420,7 @@ def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, 
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
     launch = launch_for(_combine_kernel,
                         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)),
-                        dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype), int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
+                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=sink is not None),
+                        dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
+                                            int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
     return launch, (batch * seqlen_q * nheads, 1, 1), ints

@@ -77,12 +77,13 @@ def _pruner(kind: str):
     shared memory for this dtype."""
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        wanted = {str(c) for c in _configs(kind, (args["HEAD_DIM_P"],), args["q_ptr"].element_size())}
+        width = max(args["HEAD_DIM_P"], args["HEAD_DIM_V_P"])  # the configs of the wider of q/k and v
+        wanted = {str(c) for c in _configs(kind, (width,), args["q_ptr"].element_size())}
         return [c for c in configs if str(c) in wanted]
     return prune
 
 
-_TUNE_KEY = ["HEAD_DIM_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
+_TUNE_KEY = ["HEAD_DIM_P", "HEAD_DIM_V_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,10 +110,12 @@ def clear_plans() -> None:
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             deterministic=False) -> None:
-    """Gradients of ``sum(out * dout)`` with respect to q, k, v, written into dq, dk, dv.
+             deterministic=False, dlse=None, learnable_sink=None, dsink=None) -> None:
+    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` with respect to q, k, v (and the
+    learnable sinks), written into dq, dk, dv (and dsink).
 
-    Three launches: delta = rowsum(dO * O) (with lse in log2 units), then dK/dV per key block
+    Three launches: delta = rowsum(dO * O) - dlse (with lse in log2 units and, with sinks, the
+    rows' terms of dsink, summed here by torch in a fixed order), then dK/dV per key block
     and dQ per query block. The scores are recomputed from q, k and lse (no N x N buffer);
     see ``tileattn.kernels.attn_bwd`` for the math. Every gradient element is written by exactly
     one program, which sums in a fixed order (a shared key/value head's dk, dv too: its program
@@ -122,14 +125,17 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
 
     As the forward's, the launches are planned once per shape class (``BwdPlan``).
     """
+    assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
-    key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), lse.shape, lse.stride(),
+    key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape[-1], v.stride(), out.stride(), lse.shape, lse.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, dq.dtype, dk.dtype,
            dv.dtype, lse.dtype, q.device,
            None if cu_seqlens_q is None else (cu_seqlens_q.numel(), cu_seqlens_q.dtype),
            None if cu_seqlens_k is None else cu_seqlens_k.dtype,
            None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
+           None if dlse is None else (dlse.stride(), dlse.dtype),
+           None if learnable_sink is None else learnable_sink.dtype,
            max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
            params.dropout_p > 0, bool(deterministic))
     plan = _PLANS.get(key)
@@ -138,21 +144,22 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
+             learnable_sink, dsink)
 
 
 class BwdPlan:
     """The three backward launches of one shape class, built from ``attn_bwd``'s key alone."""
 
     def __init__(self, key: tuple):
-        (do_stride, q_shape, q_stride, k_shape, k_stride, v_stride, o_stride, lse_shape, lse_stride,
-         dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, max_seqlen_q, max_seqlen_k,
+        (do_stride, q_shape, q_stride, k_shape, k_stride, head_dim_v, v_stride, o_stride, lse_shape, lse_stride,
+         dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, dlse, sink, max_seqlen_q, max_seqlen_k,
          window_left, window_right, has_softcap, has_dropout, deterministic) = key
         q_dtype = dtypes[0]
         varlen = cu_q is not None
         head_dim = q_shape[-1]
-        # validated by tileattn.ops (shapes, head dim, grid limits) and by its autograd (strides)
-        assert varlen == (cu_k is not None) and head_dim <= 256
+        # validated by tileattn.ops (shapes, head dims, grid limits) and by its autograd (strides)
+        assert varlen == (cu_k is not None) and max(head_dim, head_dim_v) <= 256
         assert all(stride[-1] == 1 for stride in (q_stride, k_stride, v_stride, o_stride, dq_stride, dk_stride,
                                                   dv_stride))
         nheads, nheads_k = q_shape[-2], k_shape[-2]
@@ -176,17 +183,23 @@ class BwdPlan:
         ws_full = contiguous_strides(lse_shape)
         ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
         head_dim_p = max(16, next_power_of_2(head_dim))
+        head_dim_v_p = max(16, next_power_of_2(head_dim_v))
+        width = max(head_dim_p, head_dim_v_p)  # tile configs are chosen for the wider of q/k and v
         elem_size = q_dtype.itemsize
+        self.has_sink = sink is not None
         self.preprocess = None
         if seqlen_q > 0:
-            self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *ws_strides, seqlen_q)
+            dlse_strides = (0, 0, 0) if dlse is None else (0, *dlse[0][:2]) if varlen else dlse[0]
+            self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *dlse_strides, *ws_strides, seqlen_q)
             self.pre_grid = (cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)
             self.preprocess = launch_for(
-                _attn_bwd_preprocess, dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_M=_PREPROCESS_BLOCK,
-                                           IS_VARLEN=varlen), {},
-                ((dtypes[3], dtypes[4], dtypes[-1], cu_q and cu_q[1]),
-                 int_class(_attn_bwd_preprocess, _PRE_FIRST_INT, self.pre_ints)))
-        self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, IS_VARLEN=varlen,
+                _attn_bwd_preprocess, dict(HEAD_DIM=head_dim_v, HEAD_DIM_P=head_dim_v_p, BLOCK_M=_PREPROCESS_BLOCK,
+                                           IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINK=sink is not None),
+                {}, ((dtypes[3], dtypes[4], dtypes[-1], cu_q and cu_q[1], dlse and dlse[1], sink,
+                      sink and torch.float32),
+                     int_class(_attn_bwd_preprocess, _PRE_FIRST_INT, self.pre_ints)))
+        self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEAD_DIM_V=head_dim_v,
+                         HEAD_DIM_V_P=head_dim_v_p, IS_VARLEN=varlen,
                          HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
                          MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
                          DOT_DTYPE=_dot_dtype(q_dtype), DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
@@ -199,23 +212,31 @@ class BwdPlan:
         if seqlen_k > 0:
             ints = (*common, *rows(dk_stride), *rows(dv_stride), *tail)
             self.kernels.append(_PlannedKernel(
-                "dkdv", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
+                "dkdv", bucket, fixed, elem_size, width, self.meta, q_dtype, ints,
                 lambda m: (cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
                 (tensor_dtypes, window_left, window_right)))
         if seqlen_q > 0:
             ints = (*common, *rows(dq_stride), *tail)
             self.kernels.append(_PlannedKernel(
-                "dq", bucket, fixed, elem_size, head_dim_p, self.meta, q_dtype, ints,
+                "dq", bucket, fixed, elem_size, width, self.meta, q_dtype, ints,
                 lambda m: (cdiv(seqlen_q, m["BLOCK_M"]), nheads, batch),
                 (tensor_dtypes, window_left, window_right)))
 
-    def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k) -> None:
+    def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+            dlse=None, learnable_sink=None, dsink=None) -> None:
+        if dsink is not None:
+            dsink.zero_()
         if self.empty:
             return
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         lse2 = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.preprocess is not None:
-            self.preprocess(self.pre_grid, out, dout, lse, delta, lse2, cu_seqlens_q, *self.pre_ints)
+            # with sinks, each row's term of -dsink (zeros where no row writes: packed tokens outside every sequence)
+            sink_terms = torch.zeros(self.lse_shape, dtype=torch.float32, device=q.device) if self.has_sink else None
+            self.preprocess(self.pre_grid, out, dout, lse, delta, lse2, cu_seqlens_q, dlse, learnable_sink,
+                            sink_terms, *self.pre_ints)
+            if sink_terms is not None:  # (B, H, Sq) or packed (H, Tq) -> (H,), summed in a fixed order
+                dsink.copy_(-(sink_terms.sum(dim=1) if cu_seqlens_q is not None else sink_terms.sum(dim=(0, 2))))
         p = float(params.dropout_p)
         scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
                    int(params.window_right), int(params.dropout_seed) % 2**32, keep_threshold(p),

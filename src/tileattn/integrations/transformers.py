@@ -25,6 +25,9 @@ KV caches. What the layer hands over, and what tileattn does with it:
   padded query rows come back as zeros. (Any extra pattern transformers would overlay on a
   4-D mask — image-token blocks, chunked attention — is not represented: flash-attn does the
   same.) A 4-D mask passed by the user is refused with an error.
+* ``s_aux`` (gpt-oss): a learned sink logit per query head, passed as tileattn's
+  ``learnable_sink`` (in float32, or float64 for a float64 model; its gradient flows back to
+  the parameter).
 * packed batches without padding (one row holding several sequences): the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
   ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
@@ -113,8 +116,6 @@ def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     ones tileattn reads are ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` and
     ``output_attentions`` (refused: the probabilities are never formed).
     """
-    if s_aux is not None:
-        raise NotImplementedError("tileattn: attention sinks (s_aux) are not supported")
     if kwargs.get("output_attentions"):
         raise ValueError("tileattn never forms the attention probabilities: use attn_implementation='eager' "
                          "for output_attentions=True")
@@ -122,6 +123,8 @@ def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=float(softcap or 0.0))
+    if s_aux is not None:  # sinks (gpt-oss): one logit per query head, fp32 for tileattn
+        options["learnable_sink"] = s_aux.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, headdim) views
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
 

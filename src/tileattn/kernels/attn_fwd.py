@@ -21,12 +21,15 @@ Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SPLIT_
 axis 1 cuts ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial,
 already normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
 
-Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
+``HEAD_DIM_V`` is v's head dim (and the output's), which may differ from q/k's ``HEAD_DIM``
+(MLA). Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
 ``IS_PAGED`` (keys in a block pool addressed through a block table), ``HAS_SEQUSED_K``,
 ``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r % GROUP``,
 so one program reads each K/V tile once for the whole group), ``SPLIT_KV``, ``MASK_LEFT`` /
 ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0), ``HAS_SOFTCAP``,
-``HAS_ALIBI``, ``HAS_DROPOUT``. ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
+``HAS_ALIBI``, ``HAS_DROPOUT``, ``HAS_SINK`` (a learnable sink logit per query head: without
+``SPLIT_KV`` the recurrence starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key
+of value 0 every row sees; with it the combine merges the sink once). ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
 dtype, except bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as
 integers; the launcher then asks for fp32.
 """
@@ -44,6 +47,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
                     tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                     window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -55,12 +59,15 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
     """
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
     for start_n in range(tile_lo * BLOCK_N, tile_hi * BLOCK_N, BLOCK_N):
         k_pos = start_n + offs_n  # [BLOCK_N] key positions inside the sequence
         if MASKED:
             kv_mask = (k_pos[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_PAD]
+            v_mask = (k_pos[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V)  # [BLOCK_N, HEAD_DIM_V_PAD]
         else:
             kv_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_DIM_PAD], only used if HEAD_DIM is padded
+            v_mask = offs_dv[None, :] < HEAD_DIM_V  # [1, HEAD_DIM_V_PAD]
         if IS_PAGED:
             if PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page: one table lookup
                 page = tl.load(tbl + start_n // PAGE_SIZE).to(tl.int64)
@@ -79,7 +86,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
             k_rows = k_pos.to(tl.int64) * stride_kn  # [BLOCK_N]
             v_rows = k_pos.to(tl.int64) * stride_vn
         k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :]  # [BLOCK_N, HEAD_DIM_V_PAD]
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
             b_k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         else:
@@ -95,12 +102,12 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
         if HAS_DROPOUT:
             keep = dropout_keep(dropout_seed, bh, q_pos, k_pos, dropout_threshold)  # [BLOCK_M, BLOCK_N]
             p = tl.where(keep, p * dropout_scale, 0.0)
-        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
-            b_v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        if MASKED or HEAD_DIM_V != HEAD_DIM_V_PAD:
+            b_v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_V_PAD]
         else:
             b_v = tl.load(v_ptrs)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_PAD]
+        acc = tl.dot(p.to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_V_PAD]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -108,7 +115,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "num_splits", "window_left",
                                "window_right", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -119,11 +126,13 @@ def _attn_fwd_kernel(
     scale_log2, softcap, window_left, window_right,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -224,34 +233,39 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_PAD]
+    if HAS_SINK and not SPLIT_KV:  # the sink: a key of score sink[head] and value 0 that every row sees
+        m_i = tl.load(Sinks + head) * LOG2E  # [BLOCK_M]
+        l_i += 1.0
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_V_PAD]
     if MASK_LEFT:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
         window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, False,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, False,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
         window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, IS_PAGED, True,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
 
     empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
+    b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
 
     split = tl.program_id(1).to(tl.int64)
     o_rows = split * stride_o_split + b64 * stride_ob + tok * stride_os + head.to(tl.int64) * stride_oh
-    tl.store(Out + o_rows[:, None] + offs_d[None, :], b_o.to(Out.dtype.element_ty), mask=q_mask)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # [BLOCK_M, HEAD_DIM_V_PAD]
+    tl.store(Out + o_rows[:, None] + offs_dv[None, :], b_o.to(Out.dtype.element_ty), mask=o_mask)
     l_rows = split * stride_l_split + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_ls
     tl.store(Lse + l_rows, lse, mask=row_ok)

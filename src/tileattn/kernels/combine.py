@@ -6,7 +6,8 @@ The splits cover disjoint key ranges, so (as ``tileattn.ops.merge``) per query r
 
 computed online over blocks of splits with the largest lse_s so far subtracted (log2 units
 inside), so each partial output is read once. Empty splits (lse_s = -inf) weigh 0; a row
-whose every split is empty gives out 0 and lse -inf.
+whose every split is empty gives out 0 and lse -inf. With ``HAS_SINK`` the merge starts from
+the sink's state (out 0, lse sink[head]): the sink enters each row once, not once per split.
 """
 
 import triton
@@ -19,13 +20,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_splits"])
 def _combine_kernel(
-    OPart, LsePart, Out, Lse,
+    OPart, LsePart, Out, Lse, Sinks,
     stride_po_split, stride_po_b, stride_po_s, stride_po_h,
     stride_pl_split, stride_pl_b, stride_pl_h, stride_pl_s,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     nheads, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr = False,
 ):
     """Grid: one program per row of the flattened (batch, query, head) axis.
 
@@ -47,6 +48,9 @@ def _combine_kernel(
     m = tl.full([1], float("-inf"), dtype=tl.float32)  # [1] largest lse so far, log2 units
     l_sum = tl.zeros([1], dtype=tl.float32)  # [1] sum of the splits' weights exp2(lse_s - m)
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)  # [HEAD_DIM_PAD] weighted sum of the o_s
+    if HAS_SINK:  # the sink's state, weight 1 at m = its lse, output 0
+        m = tl.load(Sinks + head + tl.arange(0, 1)) * LOG2E
+        l_sum += 1.0
     for s0 in range(0, num_splits, BLOCK_S):
         split = s0 + offs_s
         ok = split < num_splits

@@ -1,8 +1,11 @@
 """Where every public function computes attention: ``attention()``, and the two custom ops.
 
 ``tileattn::fwd`` computes (out, lse) for dense, packed (varlen) and KV-cache layouts;
-``tileattn::bwd`` computes (dq, dk, dv). Registering them as torch.library custom ops with
-fake (meta) implementations lets ``torch.compile(fullgraph=True)`` trace a model that uses
+``tileattn::bwd`` computes (dq, dk, dv, dsink). Both outputs of the forward are
+differentiable: the gradient reaching the LSE (a z-loss, sinks or merges computed outside)
+enters the backward as ``dlse`` (``delta = rowsum(dO * O) - dlse``). ``dsink`` is the gradient
+of the learnable sinks, an empty tensor when there are none. Registering them as
+torch.library custom ops with fake (meta) implementations lets ``torch.compile(fullgraph=True)`` trace a model that uses
 tileattn without graph breaks; ``register_autograd`` wires the backward. In eager mode
 ``attention()`` runs the same op bodies without the dispatcher (directly, or inside an
 ``autograd.Function`` when gradients are needed). Both bodies dispatch by device to a
@@ -36,87 +39,101 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.custom_op("tileattn::fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
          seqused_k: Optional[Tensor], block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
-         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-         softcap: float, dropout_p: float, dropout_seed: int, num_splits: int,
+         learnable_sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+         window_left: int, window_right: int, softcap: float, dropout_p: float, dropout_seed: int, num_splits: int,
          deterministic: bool) -> tuple[Tensor, Tensor]:
     # ``deterministic`` is only read by the backward (saved in _setup_context).
     params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
     return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    seqused_k, block_table, num_splits)
+                    seqused_k, block_table, num_splits, learnable_sink)
 
 
 def _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-             block_table, num_splits) -> tuple[Tensor, Tensor]:
+             block_table, num_splits, learnable_sink) -> tuple[Tensor, Tensor]:
     """Allocate (out, lse) and let the device's backend fill them: the body of ``tileattn::fwd``."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # v's head dim
     lse = torch.empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q), device=q.device)
     backend_for(q.device).attn_fwd(
         q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits)
+        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, learnable_sink=learnable_sink)
     return out, lse
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink, max_seqlen_q,
               max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
               deterministic):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     return out, lse
 
 
 @torch.library.custom_op("tileattn::bwd", mutates_args=())
-def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Optional[Tensor],
-         cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-         softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
-         dropout_seed: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, deterministic)
+def _bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor],
+         learnable_sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+         window_left: int, window_right: int, softcap: float, dropout_p: float, dropout_seed: int,
+         deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+                    dropout_seed, deterministic)
 
 
-def _run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-             softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
-             deterministic) -> tuple[Tensor, Tensor, Tensor]:
-    """Allocate (dq, dk, dv) and let the device's backend fill them: the body of ``tileattn::bwd``."""
+def _dsink_like(q: Tensor, learnable_sink: Optional[Tensor]) -> Tensor:
+    """The dsink output: fp32 (nheads,) with sinks, else an empty placeholder (an op returns tensors)."""
+    return q.new_empty(0 if learnable_sink is None else learnable_sink.shape[0], dtype=torch.float32)
+
+
+def _run_bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, max_seqlen_q,
+             max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
+             deterministic) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Allocate (dq, dk, dv, dsink) and let the device's backend fill them: the body of ``tileattn::bwd``."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = _dsink_like(q, learnable_sink)
     params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
     backend_for(q.device).attn_bwd(
         dout, q, k, v, out, lse, dq, dk, dv, params=params, alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic)
-    return dq, dk, dv
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic, dlse=dlse, learnable_sink=learnable_sink,
+        dsink=None if learnable_sink is None else dsink)
+    return dq, dk, dv, dsink
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-              softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, max_seqlen_q,
+              max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _dsink_like(q, learnable_sink)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-     softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits, deterministic) = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink, max_seqlen_q,
+     max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
+     deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
     ctx.has_cache = seqused_k is not None or block_table is not None
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                    dropout_p, dropout_seed)
     ctx.deterministic = deterministic
 
 
-def _gradients(ctx, dout, bwd) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from what _setup_context saved, through ``bwd`` (the op or its body)."""
+def _gradients(ctx, dout, dlse, bwd) -> tuple:
+    """(dq, dk, dv, None x 5, dsink or None, None x 10) from what _setup_context saved, through
+    ``bwd`` (the op or its body). ``dout`` or ``dlse`` may be None (that output unused)."""
     if ctx.has_cache:
         raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    # The gradient that reaches the LSE output (if any) is not propagated, as in flash-attn.
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *ctx.scalars, ctx.deterministic)
+    dq, dk, dv, dsink = bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
+                            *ctx.scalars, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 5 + (None if learnable_sink is None else dsink,) + (None,) * 10
 
 
 def _backward(ctx, dout, dlse):
-    return _gradients(ctx, dout, _bwd) + (None,) * 15
+    return _gradients(ctx, dout, dlse, _bwd)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -131,28 +148,28 @@ class _EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
-                max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
-                deterministic):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, max_seqlen_q,
-                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
-                  deterministic)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
+                max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
+                num_splits, deterministic):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
+                  max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+                  dropout_seed, num_splits, deterministic)
         params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
         out, lse = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k, block_table, num_splits)
+                            seqused_k, block_table, num_splits, learnable_sink)
         _setup_context(ctx, inputs, (out, lse))
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to read)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, _run_bwd) + (None,) * 15
+        return _gradients(ctx, dout, dlse, _run_bwd)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None,
-              num_splits=1, deterministic=False) -> tuple[Tensor, Tensor]:
-    """(out, lse), with autograd when inputs require grad.
+              num_splits=1, deterministic=False, learnable_sink=None) -> tuple[Tensor, Tensor]:
+    """(out, lse), with autograd when inputs require grad (lse and learnable_sink included).
 
     When no graph is being recorded (no input needs a gradient, or grad mode is off) the
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
@@ -160,14 +177,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
     """
     if torch.compiler.is_compiling():
-        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, int(max_seqlen_q),
-                    int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-                    params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic))
-    needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
+                    int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left,
+                    params.window_right, params.softcap, params.dropout_p, params.dropout_seed, int(num_splits),
+                    bool(deterministic))
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
     if not needs_graph:
         return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                        int(max_seqlen_k), seqused_k, block_table, int(num_splits))
+                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink)
     return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                 int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left,
-                                 params.window_right, params.softcap, params.dropout_p, params.dropout_seed,
-                                 int(num_splits), bool(deterministic))
+                                 learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
+                                 params.window_left, params.window_right, params.softcap, params.dropout_p,
+                                 params.dropout_seed, int(num_splits), bool(deterministic))

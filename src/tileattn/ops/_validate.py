@@ -34,7 +34,8 @@ import torch
 from ..contract import AttnParams
 from .backend import backend_name
 
-MAX_HEADDIM = 256
+MAX_HEADDIM = {"cpu": 576, "triton": 256}  # q/k's head dim (576: MLA's absorbed latent, on the CPU tiles)
+MAX_HEADDIM_V = {"cpu": 512, "triton": 256}  # v's own head dim, where it may differ from q/k's
 MAX_GRID = 65535  # batch and heads are grid axes of the Triton backward
 DEBUG_ENV = "TILEATTN_DEBUG_CHECKS"
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -133,11 +134,12 @@ def num_splits(value) -> int:
 # ------------------------------------------------------------------------ tensors
 
 
-def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
-    """dtype, device and shape checks for q (.., H, D), k and v (.., Hk, D).
+def check_qkv(q, k, v, *, packed: bool, cache: bool = False, headdim_v: bool = False) -> None:
+    """dtype, device and shape checks for q (.., H, D), k (.., Hk, D) and v (.., Hk, Dv).
 
     Dense tensors are 4-D (batch, seqlen, heads, headdim); packed (varlen) q is 3-D, and so
-    are k, v unless ``cache``: then they are a KV cache or block pool, always 4-D.
+    are k, v unless ``cache``: then they are a KV cache or block pool, always 4-D. Dv == D
+    unless ``headdim_v`` (a caller that supports a value head dim of its own, as MLA uses).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -162,7 +164,12 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
         if not cache and t.dim() != want:
             fail(ValueError, f"{name} must be {want}-D {'(total_tokens' if packed else '(batch, seqlen'}, nheads, "
                              f"headdim), got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
+    backend = backend_name(q.device)
+    if headdim_v and k.shape[:-1] == v.shape[:-1]:
+        if not 1 <= v.shape[-1] <= MAX_HEADDIM_V[backend]:
+            fail(ValueError, f"v's headdim must be between 1 and {MAX_HEADDIM_V[backend]} on the {backend} path, "
+                             f"got {v.shape[-1]}")
+    elif k.shape != v.shape:
         fail(ValueError, f"k and v{' caches' if cache else ''} must have one shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     if cache and not packed and (k.stride(-1) != 1 or v.stride(-1) != 1):
@@ -173,8 +180,8 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False) -> None:
         fail(ValueError, f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k})")
     if k.shape[-1] != headdim:
         fail(ValueError, f"q, k, v must share headdim, got q {headdim} and k/v {k.shape[-1]}")
-    if not 1 <= headdim <= MAX_HEADDIM:
-        fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    if not 1 <= headdim <= MAX_HEADDIM[backend]:
+        fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM[backend]} on the {backend} path, got {headdim}")
 
 
 def check_grid(batch: int, q, k, v) -> None:
@@ -244,23 +251,43 @@ def check_block_table(block_table, batch: int, device) -> None:
         fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
 
 
-def check_new_kv(k, v, k_cache, batch: int) -> None:
-    """The new keys and values that ``flash_attn_with_kvcache`` appends."""
+def check_new_kv(k, v, k_cache, v_cache, batch: int) -> None:
+    """The new keys and values that ``flash_attn_with_kvcache`` appends (v with v_cache's head dim)."""
     if (k is None) != (v is None):
         fail(ValueError, "pass both k and v to append, or neither")
     if k is None:
         return
-    for name, t in (("k", k), ("v", v)):
+    for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             fail(ValueError, f"new {name} must be 4-D (batch, seqlen_new, nheads_k, headdim), got "
                              f"{getattr(t, 'shape', t)}")
-        if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+        if t.shape[0] != batch or t.shape[2:] != c.shape[2:]:
             fail(ValueError, f"new {name} has shape {tuple(t.shape)}; expected ({batch}, seqlen_new, "
-                             f"{k_cache.shape[2]}, {k_cache.shape[3]})")
-        if t.dtype != k_cache.dtype or t.device != k_cache.device:
-            fail(TypeError, f"new {name} must match the cache's dtype and device ({k_cache.dtype}, {k_cache.device})")
-    if k.shape != v.shape:
-        fail(ValueError, f"new k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+                             f"{c.shape[2]}, {c.shape[3]})")
+        if t.dtype != c.dtype or t.device != c.device:
+            fail(TypeError, f"new {name} must match the cache's dtype and device ({c.dtype}, {c.device})")
+    if k.shape[:-1] != v.shape[:-1]:
+        fail(ValueError, f"new k and v must have one shape but the head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+
+
+def check_sink(learnable_sink, q: torch.Tensor, nheads: int) -> torch.Tensor | None:
+    """Learnable sinks: one logit per query head, (nheads,) float32 (float64 with float64 q) on
+    q's device; returned with unit stride (a copy only if needed, which autograd follows)."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        fail(TypeError, f"learnable_sink must be a torch.Tensor of shape ({nheads},), got "
+                        f"{type(learnable_sink).__name__}")
+    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if learnable_sink.dtype not in allowed:
+        fail(TypeError, f"learnable_sink must be float32, got {learnable_sink.dtype}")
+    if learnable_sink.device != q.device:
+        fail(ValueError, f"learnable_sink is on {learnable_sink.device} but q is on {q.device}")
+    if learnable_sink.shape != (nheads,):
+        fail(ValueError, f"learnable_sink must have shape ({nheads},) (one logit per query head), got "
+                         f"{tuple(learnable_sink.shape)}")
+    return learnable_sink.contiguous()
 
 
 def check_rotary(rotary_cos, rotary_sin, k, headdim: int, device) -> int | None:

@@ -61,21 +61,27 @@ def with_dropout_seed(params: AttnParams, device: torch.device) -> AttnParams:
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """Exact attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k, headdim).
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
+    """Exact attention of q (batch, seqlen_q, nheads, headdim) over k (batch, seqlen_k, nheads_k, headdim)
+    and v (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim (MLA: q/k 192, v 128),
+    up to 512 on the CPU and 256 on the GPU, and the output then has headdim_v. headdim is at most 256
+    on the GPU, 576 on the CPU (MLA's absorbed latent).
 
     Arguments as in flash-attn: ``dropout_p`` (set it to 0.0 in evaluation), ``softmax_scale``
     (default headdim ** -0.5), ``causal`` (bottom-right aligned), ``window_size=(left, right)``
     sliding window (-1 = unbounded), ``softcap`` (> 0: scores become softcap * tanh(s / softcap)),
     ``alibi_slopes`` fp32 (nheads,) or (batch, nheads) adding -slope * |i + seqlen_k - seqlen_q - j|,
-    ``deterministic`` (the backward is deterministic anyway), ``return_attn_probs``.
+    ``deterministic`` (the backward is deterministic anyway), ``return_attn_probs``,
+    ``learnable_sink`` fp32 (nheads,): a logit per query head that joins each row's softmax
+    denominator without a value row (gpt-oss; flash-attn 4's name), differentiable.
 
     Returns out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs`` also
-    ``(out, softmax_lse, attn_probs)``: lse (batch, nheads, seqlen_q) fp32 and the
+    ``(out, softmax_lse, attn_probs)``: lse (batch, nheads, seqlen_q) fp32 (the sink included,
+    differentiable: a loss on it, e.g. a z-loss, gets its gradient) and the
     probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated — an
     O(N^2) tensor meant for tests, as in flash-attn.
     """
-    V.check_qkv(q, k, v, packed=False)
+    V.check_qkv(q, k, v, packed=False, headdim_v=True)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     batch, seqlen_q = q.shape[0], q.shape[1]
     if k.shape[0] != batch:
@@ -84,11 +90,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    sink = V.check_sink(learnable_sink, q, q.shape[2])
 
     params = with_dropout_seed(params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
-                         deterministic=deterministic)
+                         deterministic=deterministic, learnable_sink=sink)
     if return_attn_probs:
         return out, lse, attention_probs(q, k, lse, params, alibi)
     return out

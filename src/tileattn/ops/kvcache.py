@@ -28,6 +28,10 @@ GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.op
 All arguments are checked before anything is rotated or written (``tileattn.ops._validate``):
 a bad option leaves the cache untouched.
 
+``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
+``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
+and values in one storage) is read in place, and the append then writes the new keys once.
+
 When batch x heads cannot fill the GPU the keys are split across thread blocks
 (flash-decoding) and the partial (o, lse) states merged; ``num_splits=0`` picks the split
 count, n > 0 forces it. No call synchronises the host with the device (the value checks on
@@ -50,15 +54,19 @@ __all__ = ["flash_attn_with_kvcache", "append_to_cache"]
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            learnable_sink=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a (contiguous or paged) KV cache.
+
+    ``learnable_sink`` fp32 (nheads,): a sink logit per query head (see ``flash_attn_func``);
+    with split keys it enters each row once, in the merge of the splits.
 
     Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
     """
     # Every check first: nothing is rotated or written before all arguments passed.
     V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
-    V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
+    V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch = q.shape[0]
     paged = block_table is not None
     if cache_batch_idx is not None:
@@ -85,7 +93,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k_cache.shape[0] * capacity >= 2**31:
             V.fail(ValueError, f"cache_leftpad needs cache rows x seqlen_cache < 2**31, got {k_cache.shape[0]} x "
                                f"{capacity}")
-    V.check_new_kv(k, v, k_cache, batch)
+    V.check_new_kv(k, v, k_cache, v_cache, batch)
     new_tokens = 0 if k is None else k.shape[1]
     rotary_len = V.check_rotary(rotary_cos, rotary_sin, k, q.shape[-1], q.device)
     num_splits = V.num_splits(num_splits)
@@ -93,6 +101,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            softcap=softcap, dropout_p=0.0)
     per_token_q = params.window_left >= 0 or params.window_right >= 0  # causal or local: q rotated per token
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    sink = V.check_sink(learnable_sink, q, q.shape[2])
     V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
                          rotary_len=rotary_len, rotary_reach=max(new_tokens, q.shape[1] if per_token_q else 1),
                          table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
@@ -104,15 +113,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q = V.last_dim_contiguous(q)
     if cache_leftpad is not None:
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
-                                         cache_batch_idx, num_splits)
+                                         cache_batch_idx, num_splits, sink)
     else:
         out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
                              max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=num_splits)
+                             num_splits=num_splits, learnable_sink=sink)
     return (out, lse) if return_softmax_lse else out
 
 
-def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits):
+def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits,
+                          sink):
     """Attention over cache slots leftpad[b] .. seqused_k[b] - 1 of each sequence b.
 
     The cache is read as packed keys (rows x seqlen_cache of them): sequence b's keys start at
@@ -129,8 +139,8 @@ def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad
     out, lse = attention(q.reshape(batch * seqlen_q, nheads, headdim), k_cache.flatten(0, 1),
                          v_cache.flatten(0, 1), params, alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          max_seqlen_q=seqlen_q, max_seqlen_k=slots, seqused_k=seqused_k - leftpad,
-                         num_splits=num_splits)
-    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+                         num_splits=num_splits, learnable_sink=sink)
+    return out.view(batch, seqlen_q, nheads, -1), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
@@ -139,9 +149,12 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
     given, and q with them); returns q and the number of keys each sequence then has.
 
     The Triton backend does it in one kernel (``tileattn.gpu.append_kv``), which also writes the
-    new lengths; the torch ops below do it elsewhere, and under torch.compile, which traces them.
+    new lengths; the torch ops below do it elsewhere, under torch.compile, which traces them, and
+    when v has a head dim of its own (the kernel moves one head dim; ``append_to_cache`` also
+    writes MLA's latent once when v_cache is a view of k_cache).
     """
-    if backend_name(k.device) == "triton" and not torch.compiler.is_compiling():
+    if (backend_name(k.device) == "triton" and not torch.compiler.is_compiling()
+            and v.shape[-1] == k.shape[-1]):
         seqused = torch.empty(cache_seqlens.shape, dtype=cache_seqlens.dtype, device=cache_seqlens.device)
         fuse_q = cos is not None and q.shape[1] == k.shape[1]  # the kernel rotates query token i beside key i
         if cos is not None and not fuse_q:
@@ -173,9 +186,13 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> 
 
     On the device: index_put with the positions computed there (no host synchronisation),
     contiguous or paged. CPU tensors of a small batch are copied slice by slice instead,
-    which skips advanced indexing's per-call cost (reading their lengths costs nothing).
+    which skips advanced indexing's per-call cost (reading their lengths costs nothing). When
+    v_cache is a view of k_cache[..., :headdim_v] and v of k[..., :headdim_v] (MLA's latent: the
+    values are the keys' first entries), the keys' write already holds the values: one write.
     """
     batch, seqlen_new = k.shape[0], k.shape[1]
+    if _is_prefix_view(v_cache, k_cache) and _is_prefix_view(v, k):
+        v_cache = v = None
     if k.device.type == "cpu" and batch <= _HOST_APPEND_MAX_BATCH:
         _append_on_host(k_cache, v_cache, k, v, cache_seqlens.tolist(),
                         None if block_table is None else block_table.tolist())
@@ -184,16 +201,24 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> 
     if block_table is None:
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_new)
         k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
+        if v is not None:
+            v_cache[rows, pos] = v
     else:
         block_size = k_cache.shape[1]
         blocks = block_table.long().gather(1, pos // block_size)
         slots = pos % block_size
         k_cache[blocks, slots] = k
-        v_cache[blocks, slots] = v
+        if v is not None:
+            v_cache[blocks, slots] = v
 
 
 _HOST_APPEND_MAX_BATCH = 16
+
+
+def _is_prefix_view(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``part`` is ``whole[..., :n]`` in memory (same start and strides, fewer last-dim entries)."""
+    return (part.data_ptr() == whole.data_ptr() and part.shape[:-1] == whole.shape[:-1]
+            and part.stride() == whole.stride() and part.shape[-1] <= whole.shape[-1])
 
 
 def _append_on_host(k_cache, v_cache, k, v, lengths: list[int], table: list[list[int]] | None) -> None:
@@ -207,5 +232,6 @@ def _append_on_host(k_cache, v_cache, k, v, lengths: list[int], table: list[list
             row = b if table is None else table[b][pos // page]
             n = min(page - pos % page, k.shape[1] - j)
             k_cache[row, pos % page:pos % page + n] = k[b, j:j + n]
-            v_cache[row, pos % page:pos % page + n] = v[b, j:j + n]
+            if v is not None:
+                v_cache[row, pos % page:pos % page + n] = v[b, j:j + n]
             j += n

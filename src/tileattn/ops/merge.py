@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_states", "merge_many", "merge_into"]
+__all__ = ["merge_states", "merge_many", "merge_into", "merge_sink"]
 
 
 def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -63,3 +63,14 @@ def merge_into(o_run: torch.Tensor, lse_run: torch.Tensor, o_b: torch.Tensor, ls
     lse = torch.logaddexp(lse_run, lse_b.to(lse_run.dtype))
     o_run.mul_(_weight(lse_run, lse)).addcmul_(o_b, _weight(lse_b, lse))
     lse_run.copy_(lse)
+
+
+def merge_sink(o: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor):
+    """Add learnable sinks (nheads,) to a state: the sink is the state (out 0, lse sink_h), merged once.
+
+    Partial states over disjoint keys are computed and merged without sinks (a sink in each
+    part would count once per part), then this once: what split-KV decoding does, and what
+    ring attention or a user merging partial attentions should do. Differentiable in all inputs.
+    """
+    sink = learnable_sink.to(torch.promote_types(torch.float32, lse.dtype))
+    return merge_states(o, lse, torch.zeros_like(o), sink[:, None].expand(lse.shape))

@@ -24,8 +24,11 @@ __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, learnable_sink=None):
     """Attention over a packed batch; returns out (total_q, nheads, headdim).
+
+    ``learnable_sink`` fp32 (nheads,): a sink logit per query head (see ``flash_attn_func``).
+    v may have a head dim of its own (headdim_v); the output then has it.
 
     With ``return_attn_probs`` returns ``(out, softmax_lse, None)``: lse (nheads, total_q)
     fp32, and None where flash-attn gives a probability tensor (tileattn builds that test-only
@@ -33,7 +36,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     paged = block_table is not None
-    V.check_qkv(q, k, v, packed=True, cache=paged)
+    V.check_qkv(q, k, v, packed=True, cache=paged, headdim_v=True)
     batch = V.check_offsets(cu_seqlens_q, cu_seqlens_k, q)
     V.check_grid(batch, q, k, v)
     max_seqlen_q = V.integer("max_seqlen_q", max_seqlen_q, 0)
@@ -41,6 +44,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    sink = V.check_sink(learnable_sink, q, q.shape[1])
     V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     seqused_k = None
     if paged:
@@ -58,7 +62,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = attention(q, k, v, params, alibi_slopes=alibi, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
-                         block_table=block_table, deterministic=deterministic)
+                         block_table=block_table, deterministic=deterministic, learnable_sink=sink)
     if return_attn_probs:
         return out, lse, None
     return out

@@ -1,0 +1,223 @@
+"""A value head dim of its own (issue #18 item 2, dense path): v (.., headdim_v), output and dv too.
+
+MLA trains with q/k of 192 and v of 128. The reference already takes any v width (out and dv
+follow v); here the CPU tiles and the Triton kernels, forward and backward, against it by the
+tolerance rule, with sinks and a loss on the LSE for good measure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference as R
+from tolerance import GRAD_FACTOR, assert_within, plain_attention
+
+
+def rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def np64(*tensors):
+    return [t.detach().cpu().double().numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype,headdim,headdim_v,sq,sk,causal", [
+    (torch.float32, 24, 40, 19, 23, True), (torch.float16, 24, 40, 19, 23, True),
+    (torch.float16, 64, 32, 37, 29, False), (torch.float32, 48, 16, 3, 45, True)])
+def test_headdim_v_forward_and_backward(device, dtype, headdim, headdim_v, sq, sk, causal):
+    gen = torch.Generator().manual_seed(headdim * 7 + headdim_v)
+    q, k = rand(gen, 2, sq, 4, headdim, dtype=dtype), rand(gen, 2, sk, 2, headdim, dtype=dtype)
+    v, dout = rand(gen, 2, sk, 2, headdim_v, dtype=dtype), rand(gen, 2, sq, 4, headdim_v, dtype=dtype)
+    leaves = [t.clone().to(device).requires_grad_(True) for t in (q, k, v)]
+    out, lse, _ = tileattn.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, sq, 4, headdim_v) and out.dtype == dtype
+    out.backward(dout.to(device))
+    ref_o, ref_lse = R.attention_naive(*np64(q, k, v), causal=causal)
+    ref_g = R.attention_naive_grad(*np64(q, k, v, dout), causal=causal)
+    plain_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    p_o, p_lse = plain_attention(*plain_leaves, causal=causal)
+    p_o.backward(dout)
+    assert_within("out", out, p_o, ref_o)
+    assert_within("lse", lse, p_lse, ref_lse)
+    for name, leaf, p, r in zip(("dq", "dk", "dv"), leaves, plain_leaves, ref_g):
+        assert leaf.grad.shape == r.shape
+        assert_within(name, leaf.grad, p.grad, r, factor=GRAD_FACTOR)
+
+
+def test_headdim_v_with_sinks_and_lse_loss(device):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = rand(gen, 1, 21, 4, 32), rand(gen, 1, 26, 1, 32), rand(gen, 1, 26, 1, 16)
+    dout, sink = rand(gen, 1, 21, 4, 16), rand(gen, 4)
+    leaves = [t.clone().to(device).requires_grad_(True) for t in (q, k, v, sink)]
+    out, lse, _ = tileattn.flash_attn_func(*leaves[:3], window_size=(7, 2), learnable_sink=leaves[3],
+                                           return_attn_probs=True)
+    ((out * dout.to(device)).sum() + (lse * lse).sum()).backward()
+    _, ref_lse = R.attention_naive(*np64(q, k, v), window_size=(7, 2), learnable_sink=sink.numpy())
+    ref = R.attention_naive_grad(*np64(q, k, v, dout), dlse=2 * ref_lse, window_size=(7, 2),
+                                 learnable_sink=sink.numpy())
+    for leaf, r in zip(leaves, ref):
+        np.testing.assert_allclose(leaf.grad.cpu().numpy(), r, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("headdim", [64, 192, 576])
+@pytest.mark.parametrize("headdim_v", [64, 128, 512])
+def test_headdim_pairs_on_the_cpu(monkeypatch, headdim, headdim_v):
+    """Issue #18's matrix, headdim_v in {64, 128, 512} x headdim in {64, 192, 576} (MLA training's
+    192/128, the absorbed latent's 576/512), forward and backward on the CPU tiles."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    gen = torch.Generator().manual_seed(headdim + headdim_v)
+    q, k = rand(gen, 1, 9, 2, headdim), rand(gen, 1, 12, 1, headdim)
+    v, dout = rand(gen, 1, 12, 1, headdim_v), rand(gen, 1, 9, 2, headdim_v)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = tileattn.flash_attn_func(*leaves, causal=True)
+    out.backward(dout)
+    ref_o, _ = R.attention_naive(*np64(q, k, v), causal=True)
+    np.testing.assert_allclose(out.detach().numpy(), ref_o, atol=1e-5)
+    for leaf, r in zip(leaves, R.attention_naive_grad(*np64(q, k, v, dout), causal=True)):
+        np.testing.assert_allclose(leaf.grad.numpy(), r, atol=1e-4)
+
+
+def test_mla_absorbed_decoding_on_the_cpu(monkeypatch):
+    """MLA's absorbed decoding: one paged latent cache of 576 per token, the values its first 512
+    (a view, no copy), 16 query heads over 1 latent head, keys split in 3 ranges."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    gen = torch.Generator().manual_seed(23)
+    latent = torch.full((7, 16, 1, 576), float("nan"))
+    table = torch.tensor([[4, 0, 6], [2, 5, 1]], dtype=torch.int32)
+    lengths = torch.tensor([40, 21], dtype=torch.int32)
+    tokens = rand(gen, 2, 48, 1, 576)
+    for b in range(2):
+        for p in range(3):
+            latent[table[b, p]] = tokens[b, 16 * p:16 * p + 16]
+    q = rand(gen, 2, 1, 16, 576)
+    out = tileattn.flash_attn_with_kvcache(q, latent, latent[..., :512], cache_seqlens=lengths, block_table=table,
+                                           softmax_scale=0.05, num_splits=3)
+    for b in range(2):
+        n = int(lengths[b])
+        ref, _ = R.attention_naive(*np64(q[b:b + 1], tokens[b:b + 1, :n], tokens[b:b + 1, :n, :, :512]),
+                                   softmax_scale=0.05)
+        np.testing.assert_allclose(out[b:b + 1].numpy(), ref, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_mla_training_shape_bf16_on_cuda():
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    q, k = rand(gen, 1, 300, 8, 192, dtype=dtype), rand(gen, 1, 300, 8, 192, dtype=dtype)
+    v, dout = rand(gen, 1, 300, 8, 128, dtype=dtype), rand(gen, 1, 300, 8, 128, dtype=dtype)
+    leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+    out = tileattn.flash_attn_func(*leaves, causal=True)
+    out.backward(dout.cuda())
+    plain_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    p_o, _ = plain_attention(*plain_leaves, causal=True)
+    p_o.backward(dout)
+    assert_within("out", out, p_o, R.attention_naive(*np64(q, k, v), causal=True)[0])
+    for name, leaf, p, r in zip(("dq", "dk", "dv"), leaves, plain_leaves,
+                                R.attention_naive_grad(*np64(q, k, v, dout), causal=True)):
+        assert_within(name, leaf.grad, p.grad, r, factor=GRAD_FACTOR)
+
+
+@pytest.mark.parametrize("width", [600, 0])
+def test_bad_headdim_v_raises(width):
+    with pytest.raises(ValueError, match="between 1 and 576"):
+        tileattn.flash_attn_func(torch.zeros(1, 3, 2, 600), torch.zeros(1, 3, 2, 600), torch.zeros(1, 3, 2, 8))
+    q, k = torch.zeros(1, 3, 2, 16), torch.zeros(1, 3, 2, 16)
+    with pytest.raises(ValueError, match="between 1 and"):
+        tileattn.flash_attn_func(q, k, torch.zeros(1, 3, 2, width))
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="between 1 and"):
+        tileattn.flash_attn_varlen_func(q[0], k[0], torch.zeros(3, 2, width), cu, cu, 3, 3)
+    with pytest.raises(ValueError, match="one shape"):  # the head count must still agree
+        tileattn.flash_attn_func(q, k, torch.zeros(1, 3, 1, 8))
+
+
+def test_varlen_with_headdim_v(device):
+    gen = torch.Generator().manual_seed(22)
+    lens_q, lens_k = [5, 0, 11], [9, 4, 11]
+    cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    cu_k = torch.tensor(np.cumsum([0] + lens_k), dtype=torch.int32)
+    q, k, v, dout = rand(gen, 16, 4, 24), rand(gen, 24, 2, 24), rand(gen, 24, 2, 40), rand(gen, 16, 4, 40)
+    leaves = [t.clone().to(device).requires_grad_(True) for t in (q, k, v)]
+    out = tileattn.flash_attn_varlen_func(*leaves, cu_q.to(device), cu_k.to(device), 11, 11, causal=True)
+    out.backward(dout.to(device))
+    assert out.shape == (16, 4, 40)
+    for b in range(3):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq = (q[None, qs], k[None, ks], v[None, ks], dout[None, qs])
+        ref_o, _ = R.attention_naive(*np64(*seq[:3]), causal=True)
+        np.testing.assert_allclose(out[qs].detach().cpu().numpy(), ref_o[0], atol=2e-5)
+        grads = R.attention_naive_grad(*np64(*seq), causal=True)
+        for got, want in zip((leaves[0].grad[qs], leaves[1].grad[ks], leaves[2].grad[ks]), grads):
+            np.testing.assert_allclose(got.cpu().numpy(), want[0], atol=5e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_with_headdim_v(device, paged, num_splits):
+    """Decoding with v of its own width, split or not, contiguous or paged, with an append."""
+    gen = torch.Generator().manual_seed(20 + num_splits)
+    batch, cap, d, dv = 2, 32, 24, 40
+    q, k_new, v_new = rand(gen, batch, 2, 4, d), rand(gen, batch, 2, 2, d), rand(gen, batch, 2, 2, dv)
+    k_full, v_full = rand(gen, batch, cap, 2, d), rand(gen, batch, cap, 2, dv)
+    seqlens = torch.tensor([5, 20], dtype=torch.int32)
+    if paged:
+        table = torch.randperm(10, generator=gen)[:8].view(batch, 4).to(torch.int32)
+        k_cache, v_cache = torch.full((10, 8, 2, d), float("nan")), torch.full((10, 8, 2, dv), float("nan"))
+        for b in range(batch):
+            for p in range(4):
+                k_cache[table[b, p]], v_cache[table[b, p]] = k_full[b, 8 * p:8 * p + 8], v_full[b, 8 * p:8 * p + 8]
+        table = table.to(device)
+    else:
+        k_cache, v_cache, table = k_full.clone(), v_full.clone(), None
+    out = tileattn.flash_attn_with_kvcache(q.to(device), k_cache.to(device), v_cache.to(device), k=k_new.to(device),
+                                           v=v_new.to(device), cache_seqlens=seqlens.to(device), block_table=table,
+                                           causal=True, num_splits=num_splits)
+    assert out.shape == (batch, 2, 4, dv)
+    for b in range(batch):
+        n = int(seqlens[b])
+        keys = torch.cat([k_full[b:b + 1, :n], k_new[b:b + 1]], 1)
+        values = torch.cat([v_full[b:b + 1, :n], v_new[b:b + 1]], 1)
+        ref, _ = R.attention_naive(*np64(q[b:b + 1], keys, values), causal=True)
+        np.testing.assert_allclose(out[b:b + 1].cpu().numpy(), ref, atol=2e-5)
+
+
+def test_latent_cache_values_are_a_view_of_the_keys(device):
+    """MLA's absorbed decoding: one latent cache, v_cache = k_cache[..., :dv] (shared storage); it is
+    read in place (no copy) and the new latent is written once: half the cache writes of separate
+    k and v caches (writes counted at the dispatcher, whichever append path runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountWrites(TorchDispatchMode):
+        def __init__(self, storages):
+            super().__init__()
+            self.storages, self.writes = storages, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.index_put_.default, torch.ops.aten.copy_.default) and \
+                    args[0].untyped_storage().data_ptr() in self.storages:
+                self.writes += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(21)
+    batch, cap, d, dv = 2, 24, 48, 32
+    latent = rand(gen, batch, cap, 1, d).to(device)
+    q, new = rand(gen, batch, 1, 4, d).to(device), rand(gen, batch, 1, 1, d).to(device)
+    seqlens = torch.tensor([7, 15], dtype=torch.int32, device=device)
+    k_sep, v_sep = latent.clone(), latent[..., :dv].clone()
+    with CountWrites({k_sep.untyped_storage().data_ptr(), v_sep.untyped_storage().data_ptr()}) as separate:
+        tileattn.flash_attn_with_kvcache(q, k_sep, v_sep, k=new, v=new[..., :dv].clone(), cache_seqlens=seqlens,
+                                         causal=True, num_splits=2)
+    k_cache, v_cache = latent, latent[..., :dv]
+    with CountWrites({latent.untyped_storage().data_ptr()}) as shared:
+        out = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new[..., :dv], cache_seqlens=seqlens,
+                                               causal=True, num_splits=2)
+    assert separate.writes > 0 and shared.writes * 2 == separate.writes
+    assert v_cache.data_ptr() == latent.data_ptr()
+    for b in range(batch):
+        n = int(seqlens[b]) + 1
+        assert torch.equal(latent[b, n - 1], new[b, 0])
+        ref, _ = R.attention_naive(*np64(q[b:b + 1], latent[b:b + 1, :n], latent[b:b + 1, :n, :, :dv]), causal=True)
+        np.testing.assert_allclose(out[b:b + 1].cpu().numpy(), ref, atol=2e-5)
