@@ -42,8 +42,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["cpu", "triton"])
 def device(request, monkeypatch):
     """Run a public-API test on each backend: the torch tiles on the CPU, and the Triton
-    kernels on the GPU when there is one (else on CPU tensors in Triton's interpreter)."""
+    kernels on the GPU when there is one (else on CPU tensors in Triton's interpreter).
+
+    On the GPU the value checks run synchronously (``TILEATTN_DEBUG_CHECKS=1``), as on the CPU:
+    these tests expect a bad value to raise an exception that names it, while the default,
+    asynchronous device check ends in a device-side assertion that leaves the process's CUDA
+    context unusable for every later test. tests/test_sync.py tests the asynchronous checks,
+    the failing one in a subprocess of its own."""
     if request.param == "triton" and HAS_CUDA:
+        monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "1")
         return "cuda"
     monkeypatch.setenv("TILEATTN_BACKEND", request.param)
     return "cpu"

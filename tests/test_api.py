@@ -104,7 +104,7 @@ def test_dropout_matches_reference_with_same_mask(device):
                                                return_attn_probs=True)
     out, probs = out.cpu(), probs.cpu()
     torch.manual_seed(123)
-    seed = tileattn.ops.attention.draw_dropout_seed(0.25)
+    seed = tileattn.ops.attention.draw_dropout_seed(0.25, torch.device(device))  # the inputs' generator
     ref_o, _ = R.attention_naive(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True,
                                  dropout_p=0.25, dropout_seed=seed)
     plain_o, _ = plain_attention(q, k, v, causal=True, dropout_p=0.25, dropout_seed=seed)

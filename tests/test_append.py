@@ -76,12 +76,14 @@ def test_rotated_q_at_the_cache_length_and_new_lengths():
     rows = torch.tensor([2, 0], dtype=torch.int32)
     angles = torch.rand(16, head_dim // 2, generator=gen) * 6.3
     seqused = torch.full((batch,), -1, dtype=torch.int32)
+    lens, k, v, q, k_cache, v_cache, rows, angles, seqused = (
+        t.to(DEVICE) for t in (lens, k, v, q, k_cache, v_cache, rows, angles, seqused))
     q_rot = gpu.append_kv(k_cache, v_cache, k, v, lens, rows.view(batch, 1), rotary_cos=angles.cos(),
                           rotary_sin=angles.sin(), interleaved=False, q=q, q_per_token=False, seqused_out=seqused)
     torch.testing.assert_close(seqused, lens + new, rtol=0, atol=0)
     at_len = lens.long()[:, None].expand(batch, new)
     torch.testing.assert_close(q_rot, apply_rotary(q, angles.cos(), angles.sin(), at_len, False), rtol=0, atol=1e-5)
-    pos = lens.long()[:, None] + torch.arange(new)
+    pos = lens.long()[:, None] + torch.arange(new, device=DEVICE)
     torch.testing.assert_close(v_cache[rows.long()[:, None], pos], v, rtol=0, atol=0)
     assert v_cache[1].isnan().all()
 

@@ -51,7 +51,7 @@ def test_varlen_with_combined_options(device, window, softcap, alibi, dropout_p)
     cq, ck = cu(lens_q), cu(lens_k)
     opts = dict(causal=True, window_size=window, softcap=softcap)
     torch.manual_seed(7)
-    seed = tileattn.ops.attention.draw_dropout_seed(dropout_p)
+    seed = tileattn.ops.attention.draw_dropout_seed(dropout_p, torch.device(device))  # the inputs' generator
     torch.manual_seed(7)  # the call draws the same seed
     qd, kd, vd = (t.clone().to(device).requires_grad_() for t in (q, k, v))
     out, lse, _ = tileattn.flash_attn_varlen_func(
