@@ -48,6 +48,21 @@ def int_class(fn, first: int, values) -> tuple:
                  for name, v in zip(names, values))
 
 
+MAX_PLANS = 1024  # launch plans a launcher keeps (shape classes); all are dropped when full
+
+
+def plan_for(plans: dict, key: tuple, make):
+    """A launcher's plan for ``key`` from its cache ``plans``, made by ``make(key)`` the first
+    time. A full cache is emptied: shape classes are few, so a cache that fills holds keys
+    that do not come back."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = make(key)
+    return plan
+
+
 def launch_for(fn, constexprs: dict, options: dict, signature: tuple) -> "Launch":
     """The ``Launch`` of ``fn`` with these constexprs and options shared by every caller whose
     calls specialise alike, as ``signature`` says (see the module docstring)."""

@@ -29,7 +29,8 @@ from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2
+from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
+                      plan_for)
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 from .hopper import hopper_attn_fwd, hopper_fwd_reason
 
@@ -46,7 +47,6 @@ DECODE_BLOCK_N = 128
 DECODE_BLOCK_N_WHOLE_PAGES = 64
 DECODE_NUM_WARPS = 4
 DECODE_MAX_STAGES = 3  # fewer when the staged K/V tiles would not fit in shared memory
-MAX_PLANS = 1024  # launch plans kept (shape classes); all are dropped when full
 SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the compiler's scratch
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -168,7 +168,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         return
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
-    plan = _PLANS.get(key) or _new_plan(key)
+    plan = plan_for(_PLANS, key, FwdPlan)
     plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
              learnable_sink=learnable_sink)
 
@@ -181,20 +181,12 @@ def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seq
     (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
-    return _PLANS.get(key) or _new_plan(key)
+    return plan_for(_PLANS, key, FwdPlan)
 
 
 def _stride_class(x: int) -> int:
     """A stride Triton specialises alike: 1, a multiple of 16, or neither; i64 past i32."""
     return x if x == 1 else (16 if x % 16 == 0 else 17) + (2**32 if x > 2**31 - 1 else 0)
-
-
-def _new_plan(key: tuple) -> "FwdPlan":
-    plan = FwdPlan(key)
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
 
 
 def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -14,14 +14,13 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
-from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2
+from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
 
 __all__ = ["attn_bwd", "clear_plans", "BwdPlan"]
 
 _MAX_GRID_YZ = 65535
 _PREPROCESS_BLOCK = 64
-MAX_PLANS = 1024  # launch plans kept (shape classes); all are dropped when full
 _PLANS: dict[tuple, "BwdPlan"] = {}
 _PRE_FIRST_INT = _attn_bwd_preprocess.arg_names.index("stride_ob")  # where a plan's integers start
 _FIRST_INT = {"dkdv": _attn_bwd_dkdv_kernel.arg_names.index("stride_qb"),
@@ -138,12 +137,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
            None if learnable_sink is None else learnable_sink.dtype,
            max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
            params.dropout_p > 0, bool(deterministic))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = BwdPlan(key)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = plan_for(_PLANS, key, BwdPlan)
     plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
              learnable_sink, dsink)
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..kernels.append import _append_kv_kernel
-from ._launch import cdiv, contiguous_strides, int_class, launch_for, next_power_of_2
+from ._launch import cdiv, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
 
 __all__ = ["append_kv", "clear_plans", "AppendPlan"]
 
-MAX_PLANS = 1024
 _MAX_TILE = 4096  # elements of one [heads, head dim] tile a program moves at once
 _PLANS: dict[tuple, "AppendPlan"] = {}
 _FIRST_INT = _append_kv_kernel.arg_names.index("stride_knb")
@@ -47,12 +46,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, rotary
                                             rotary_sin.stride(), rotary_sin.dtype, bool(interleaved)),
            None if q is None else (q.shape, q.stride(), q.dtype, bool(q_per_token)),
            None if seqused_out is None else seqused_out.dtype)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = AppendPlan(key)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = plan_for(_PLANS, key, AppendPlan)
     return plan.run(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, q, seqused_out)
 
 

@@ -313,6 +313,17 @@ def check_rotary(rotary_cos, rotary_sin, k, headdim: int, device) -> int | None:
     return rotary_cos.shape[0]
 
 
+def cache_capacity(k_cache: torch.Tensor, block_table, batch: int, device) -> int:
+    """Keys a sequence's cache can hold: a paged cache's block table (checked) times the page
+    size, or a contiguous cache's length (its batch must be q's)."""
+    if block_table is not None:
+        check_block_table(block_table, batch, device)
+        return block_table.shape[1] * k_cache.shape[1]
+    if k_cache.shape[0] != batch:
+        fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
+    return k_cache.shape[1]
+
+
 def cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:
     """cache_seqlens as an int32 tensor (batch,) on q's device (its values: ``check_cache_values``)."""
     if cache_seqlens is None:

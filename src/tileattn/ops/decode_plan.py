@@ -51,13 +51,7 @@ class DecodePlan:
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
         paged = block_table is not None
-        if paged:
-            V.check_block_table(block_table, batch, q.device)
-            capacity = block_table.shape[1] * k_cache.shape[1]
-        else:
-            if k_cache.shape[0] != batch:
-                V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
-            capacity = k_cache.shape[1]
+        capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
         cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
         # rotary needs new keys to rotate: the check asks only whether there are any
         rotary_len = V.check_rotary(rotary_cos, rotary_sin, k_cache if seqlen_new else None, q.shape[-1], q.device)

@@ -77,13 +77,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
         # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
         block_table = cache_batch_idx.view(batch, 1)
-    if block_table is not None:
-        V.check_block_table(block_table, batch, q.device)
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        if k_cache.shape[0] != batch:
-            V.fail(ValueError, f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
-        capacity = k_cache.shape[1]
+    capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
     cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
     if cache_leftpad is not None:
         if paged:
