@@ -1,9 +1,10 @@
-"""The launch fast path (``tileattn.gpu._launch``) and the forward's launch plans, on the CPU.
+"""The launch fast path (``tileattn.gpu._launch``) and the forward's launch plans.
 
 A ``Launch`` keeps the ``CompiledKernel`` of its first call and launches it directly after
 that; here a fake jit function stands in for Triton's (the interpreter compiles nothing), so
 the tests see which calls went through Triton and what the direct launches were handed.
-The plan cache of ``attn_fwd`` runs for real in the interpreter.
+The plan cache of ``attn_fwd`` runs for real: in the interpreter on CPU tensors, or compiled
+on the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tolerance import assert_within, plain_attention
 
 
 G = (4, 1, 1)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class _Param:
@@ -118,7 +120,7 @@ def _decode_inputs(seed, cap=40, batch=2):
     lens = torch.tensor([cap - 3, 1][:batch], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, 4, 1), float("nan"))
-    return q, k, v, out, lse, lens
+    return tuple(t.to(DEV) for t in (q, k, v, out, lse, lens))
 
 
 def test_a_shape_class_is_planned_once(monkeypatch):
@@ -164,11 +166,12 @@ def test_the_plan_names_everything_the_launch_reads():
     assert plan.ints == A.FwdPlan(key).ints and plan.num_splits == 2
 
 
-def test_the_autotuned_prefill_plan_keeps_the_chosen_config():
+def test_the_autotuned_prefill_plan_keeps_the_chosen_config(monkeypatch):
+    monkeypatch.setenv("TILEATTN_AUTOTUNE", "1")
     A.clear_plans()
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 80, 2, 16, generator=gen) for _ in range(3))  # 80 rows: the prefill tile
-    out, lse = torch.full_like(q, float("nan")), torch.full((1, 2, 80), float("nan"))
+    q, k, v = (torch.randn(1, 80, 2, 16, generator=gen).to(DEV) for _ in range(3))  # 80 rows: the prefill tile
+    out, lse = torch.full_like(q, float("nan")), torch.full((1, 2, 80), float("nan"), device=DEV)
     A.attn_fwd(q, k, v, out, lse, params=AttnParams(0.25))
     (plan,) = A._PLANS.values()
     assert plan.tuned is not None and plan.fwd is not None
@@ -186,13 +189,13 @@ def test_a_growing_dense_cache_keeps_one_plan():
     keys' strides and length per call, and each step matches the reference."""
     A.clear_plans()
     gen = torch.Generator().manual_seed(6)
-    q = torch.randn(2, 1, 4, 32, generator=gen)
+    q = torch.randn(2, 1, 4, 32, generator=gen).to(DEV)
     params = AttnParams(32**-0.5)
     for keys in (48, 49, 64, 113):
-        k, v = (torch.randn(2, 2, keys, 32, generator=gen).transpose(1, 2) for _ in range(2))
-        out, lse = torch.full_like(q, float("nan")), torch.full((2, 4, 1), float("nan"))
+        k, v = (torch.randn(2, 2, keys, 32, generator=gen).to(DEV).transpose(1, 2) for _ in range(2))
+        out, lse = torch.full_like(q, float("nan")), torch.full((2, 4, 1), float("nan"), device=DEV)
         A.attn_fwd(q, k, v, out, lse, params=params)
-        ref_out, ref_lse = reference.attention_naive(*(t.double().numpy() for t in (q, k, v)))
+        ref_out, ref_lse = reference.attention_naive(*(t.double().cpu().numpy() for t in (q, k, v)))
         plain_out, plain_lse = plain_attention(q, k, v)
         assert_within(f"{keys} keys out", out, plain_out, ref_out)
         assert_within(f"{keys} keys lse", lse, plain_lse, ref_lse)
@@ -223,6 +226,7 @@ def test_gpu_direct_launches_equal_triton_launches_and_never_sync():
     import tileattn.gpu.backward as B
 
     A.clear_plans()
+    B.clear_plans()  # plans of earlier tests in this process launched once each
     gen = torch.Generator(device="cuda").manual_seed(7)
     dt = torch.bfloat16
     q = torch.randn(2, 1, 32, 128, device="cuda", dtype=dt, generator=gen)
