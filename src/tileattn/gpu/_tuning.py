@@ -38,12 +38,9 @@ class Tuned:
     calls launch the jit function with the remembered config.
     """
 
-    def __init__(self, kernel, configs, key: list[str], prune, pre_hook=None):
+    def __init__(self, kernel, configs, key: list[str], prune):
         self.fn = kernel
-        # pre_hook(kwargs, reset_only=False) runs before each timed launch and the real one:
-        # where a kernel accumulates into an output, it zeroes that output again
-        self._tuner = triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune},
-                                      pre_hook=pre_hook)(kernel)
+        self._tuner = triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
         self._best: dict[tuple, triton.Config] = {}
 
     def best(self, key: tuple) -> triton.Config | None:

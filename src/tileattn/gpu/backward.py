@@ -82,23 +82,15 @@ def _pruner(kind: str):
     return prune
 
 
-_TUNE_KEY = {kind: ["HEAD_DIM_P", "HEAD_DIM_V_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
-             + (["DQ_ATOMIC"] if kind == "dkdv" else []) for kind in ("dkdv", "dq")}
-
-
-def _zero_dq_accumulator(kwargs, reset_only=False) -> None:
-    """Before each launch the autotuner times: the dkdv kernel adds into dq's accumulator."""
-    if kwargs["dqa_ptr"] is not None:
-        kwargs["dqa_ptr"].zero_()
+_TUNE_KEY = ["HEAD_DIM_P", "HEAD_DIM_V_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str, bucket: int) -> Tuned:
     """The autotuned dkdv or dq kernel for one sequence-length bucket (``length_bucket``): one
     autotuner per bucket over the same jit function, since a key can only name kernel arguments."""
-    if kind == "dkdv":
-        return Tuned(_attn_bwd_dkdv_kernel, _configs(kind), _TUNE_KEY[kind], _pruner(kind), _zero_dq_accumulator)
-    return Tuned(_attn_bwd_dq_kernel, _configs(kind), _TUNE_KEY[kind], _pruner(kind))
+    kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
+    return Tuned(kernel, _configs(kind), _TUNE_KEY, _pruner(kind))
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -121,17 +113,14 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     """Gradients of ``sum(out * dout) + sum(lse * dlse)`` with respect to q, k, v (and the
     learnable sinks), written into dq, dk, dv (and dsink).
 
-    First delta = rowsum(dO * O) - dlse (with lse in log2 units and, with sinks, the rows'
-    terms of dsink, summed here by torch in a fixed order). Then, by default, one kernel per
-    key block recomputes the scores from q, k and lse (no N x N buffer), keeps dK/dV in
-    registers and adds its share of dQ to an fp32 accumulator with atomics, which a copy then
-    converts into dq: five matrix products per tile. The order of those additions varies from
-    run to run, so dq may differ in its last bits; dk, dv (each written by one program, a
-    shared key/value head's summed over its query heads in order) do not.
-    ``deterministic=True`` computes dQ in a second kernel per query block instead (two more
-    products per tile: the scores and dP again) and pins the tile configuration (no
-    autotuning), so every gradient is bitwise reproducible, across processes too.
-    See ``tileattn.kernels.attn_bwd`` for the math.
+    Three launches: delta = rowsum(dO * O) - dlse (with lse in log2 units and, with sinks, the
+    rows' terms of dsink, summed here by torch in a fixed order), then dK/dV per key block
+    and dQ per query block. The scores are recomputed from q, k and lse (no N x N buffer);
+    see ``tileattn.kernels.attn_bwd`` for the math. Every gradient element is written by exactly
+    one program, which sums in a fixed order (a shared key/value head's dk, dv too: its program
+    walks the query heads of its group one after the other), and no atomics are used. The
+    gradients are therefore bitwise reproducible run after run; ``deterministic=True`` also pins
+    the tile configuration (no autotuning), so they match across processes as well.
 
     As the forward's, the launches are planned once per shape class (``BwdPlan``).
     """
@@ -154,7 +143,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
 
 
 class BwdPlan:
-    """The backward launches of one shape class, built from ``attn_bwd``'s key alone."""
+    """The three backward launches of one shape class, built from ``attn_bwd``'s key alone."""
 
     def __init__(self, key: tuple):
         (do_stride, q_shape, q_stride, k_shape, k_stride, head_dim_v, v_stride, o_stride, lse_shape, lse_stride,
@@ -214,18 +203,13 @@ class BwdPlan:
         bucket = length_bucket(seqlen_q, seqlen_k)
         tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
         self.kernels = []
-        # dQ by atomics from the dkdv kernel (its accumulator is laid out as q, contiguous),
-        # or deterministically by the dq kernel
-        self.dq_atomic = seqlen_q > 0 and not deterministic
-        self.q_shape = q_shape
         if seqlen_k > 0:
-            ints = (*common, *rows(dk_stride), *rows(dv_stride),
-                    *(rows(contiguous_strides(q_shape)) if self.dq_atomic else (0, 0, 0)), *tail)
+            ints = (*common, *rows(dk_stride), *rows(dv_stride), *tail)
             self.kernels.append(_PlannedKernel(
-                "dkdv", bucket, fixed, elem_size, width, dict(self.meta, DQ_ATOMIC=self.dq_atomic), q_dtype, ints,
+                "dkdv", bucket, fixed, elem_size, width, self.meta, q_dtype, ints,
                 lambda m: (cdiv(seqlen_k, m["BLOCK_N"]), nheads_k, batch),
-                (tensor_dtypes, self.dq_atomic, window_left, window_right)))
-        if seqlen_q > 0 and not self.dq_atomic:
+                (tensor_dtypes, window_left, window_right)))
+        if seqlen_q > 0:
             ints = (*common, *rows(dq_stride), *tail)
             self.kernels.append(_PlannedKernel(
                 "dq", bucket, fixed, elem_size, width, self.meta, q_dtype, ints,
@@ -238,7 +222,6 @@ class BwdPlan:
             dsink.zero_()
         if self.empty:
             return
-        dqa = torch.zeros(self.q_shape, dtype=torch.float32, device=q.device) if self.dq_atomic else None
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         lse2 = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.preprocess is not None:
@@ -253,11 +236,9 @@ class BwdPlan:
                    int(params.window_right), int(params.dropout_seed) % 2**32, keep_threshold(p),
                    1.0 / (1.0 - p) if p > 0 else 1.0)
         for kernel in self.kernels:
-            grads = (dk, dv, dqa) if kernel.kind == "dkdv" else (dq,)
+            grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,
                     *scalars))
-        if dqa is not None:  # rows no key block reached (no keys, or outside every sequence) stay 0
-            dq.copy_(dqa)
 
 
 class _PlannedKernel:
@@ -268,7 +249,7 @@ class _PlannedKernel:
         kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
         self._signature = (signature, int_class(kernel, _FIRST_INT[kind], ints))
         self._tuned = _tuned(kind, bucket)
-        self._tune_key = tuple(meta[name] for name in _TUNE_KEY[kind]) + (dtype,)
+        self._tune_key = tuple(meta[name] for name in _TUNE_KEY) + (dtype,)
         self.launch = None
         if fixed:
             self._use(_configs(kind, (head_dim_p,), elem_size)[0])

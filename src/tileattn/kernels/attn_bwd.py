@@ -14,17 +14,14 @@ learnable sinks the saved lse includes the sink, so P above is already the sink-
 softmax and only d sink is new: dsink_h = -sum over rows of exp(sink_h - lse) delta, whose
 per-row terms the preprocess writes (the launcher sums them).
 
-Three programs:
+Three programs, none of which writes where another writes (no atomics, so the gradients are
+bitwise reproducible):
 
 * ``_attn_bwd_preprocess``: delta and lse2 (+inf for a row that sees no key, so its P is 0),
   and with sinks each row's term of d sink;
 * ``_attn_bwd_dkdv_kernel``: one key block of one key/value head; it walks the query blocks
-  of every query head of its group (GQA sums stay in registers, in a fixed order). With
-  ``DQ_ATOMIC`` (the default) it also adds each tile's scale dS K to an fp32 dQ accumulator
-  with atomics: five matrix products per tile, dq's last bits depending on the order;
-* ``_attn_bwd_dq_kernel`` (``deterministic=True``): one query block of one query head; it walks
-  the key blocks and writes dq once, recomputing S and dP (seven products per tile in all, no
-  atomics: every gradient bitwise reproducible).
+  of every query head of its group (GQA sums stay in registers, in a fixed order);
+* ``_attn_bwd_dq_kernel``: one query block of one query head; it walks the key blocks.
 
 Each walk is cut in three ranges: blocks that straddle the lower mask bound, blocks that need
 no mask at all, blocks that straddle the upper bound; blocks that nothing sees are skipped.
@@ -109,15 +106,13 @@ def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, 
 
 
 @triton.jit
-def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_base, stride_qm, stride_dom,
-               stride_dqam, start_m, end_m, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
+def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+               start_m, end_m, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                window_left, window_right, seed, bh, threshold, keep_scale,
                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
                BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               DQ_ATOMIC: tl.constexpr):
-    """Add the query blocks [start_m, end_m) of one query head to the key block's dk, dv and,
-    with ``DQ_ATOMIC``, this key block's share scale dS K of their dq to the fp32 accumulator.
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the query blocks [start_m, end_m) of one query head to the key block's dk, dv.
 
     Works on the transposed tile (keys on axis 0) so no register transposes feed the dots.
     The masks of ``common`` are written for (query, key) tiles; calling them with the
@@ -132,7 +127,6 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_bas
     start = start_m.to(tl.int64)
     qT_ptrs = q_base + start * stride_qm + (offs_m - start_m)[None, :] * stride_qm + offs_d[:, None]
     do_ptrs = do_base + start * stride_dom + (offs_m - start_m)[:, None] * stride_dom + offs_dv[None, :]
-    dqa_ptrs = dqa_base + start * stride_dqam + (offs_m - start_m)[:, None] * stride_dqam + offs_d[None, :]
     for _ in range(start_m, end_m, BLOCK_M):
         mask_m = offs_m < seqlen_q
         b_qT = tl.load(qT_ptrs, mask=mask_d[:, None] & mask_m[None, :], other=0.0)  # [HEAD_DIM_P, BLOCK_M]
@@ -157,25 +151,19 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_bas
         dsT = pT * (dpT - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        dsT = dsT.to(in_dtype).to(DOT_DTYPE)
-        dk += tl.dot(dsT, tl.trans(b_qT), input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_P]
-        if DQ_ATOMIC:  # relaxed: only the sum matters, read after the kernel has ended
-            dq = tl.dot(tl.trans(dsT), b_k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, HEAD_DIM_P]
-            tl.atomic_add(dqa_ptrs, dq, mask=mask_m[:, None] & mask_d[None, :], sem="relaxed")
+        dk += tl.dot(dsT.to(in_dtype).to(DOT_DTYPE), tl.trans(b_qT), input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_P]
         offs_m += BLOCK_M
         qT_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
-        dqa_ptrs += BLOCK_M * stride_dqam
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seed", "threshold"])
-def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr, lse2_ptr, delta_ptr,
+def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                           cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                           stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                          stride_dqab, stride_dqam, stride_dqah,
                           stride_wb, stride_wh, stride_ab, stride_ah,
                           seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right,
                           seed, threshold, keep_scale,
@@ -184,9 +172,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr, 
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                           HAS_DROPOUT: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """dK, dV of keys [start_n, start_n + BLOCK_N) of key/value head ``hk`` of sequence ``b``
-    and, with ``DQ_ATOMIC``, their share of dQ added to the fp32 accumulator ``dqa``."""
+                          DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK, dV of keys [start_n, start_n + BLOCK_N) of key/value head ``hk`` of sequence ``b``."""
     start_n = tl.program_id(0) * BLOCK_N
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -232,28 +219,25 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr, 
         do_base = do_ptr + b * stride_dob + h * stride_doh + q_rows * stride_dom
         lse2_base = lse2_ptr + b * stride_wb + h * stride_wh + q_rows
         delta_base = delta_ptr + b * stride_wb + h * stride_wh + q_rows
-        dqa_base = q_base  # unused without DQ_ATOMIC (dqa_ptr is None then)
-        if DQ_ATOMIC:
-            dqa_base = dqa_ptr + b * stride_dqab + h * stride_dqah + q_rows * stride_dqam
         slope_log2 = 0.0
         if HAS_ALIBI:
             slope_log2 = tl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
         bh = b * nheads + h
-        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_base, stride_qm,
-                            stride_dom, stride_dqam, m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
+        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+                            m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                            MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION, DQ_ATOMIC)
-        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_base, stride_qm,
-                            stride_dom, stride_dqam, m_a, m_b, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
+                            MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
+        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+                            m_a, m_b, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                            False, False, DOT_DTYPE, DOT_PRECISION, DQ_ATOMIC)
-        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, dqa_base, stride_qm,
-                            stride_dom, stride_dqam, m_b, m_end, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
+                            False, False, DOT_DTYPE, DOT_PRECISION)
+        dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+                            m_b, m_end, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                            MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION, DQ_ATOMIC)
+                            MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
     dk = dk * sm_scale
     tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + k_rows * stride_dkn + tile_n * stride_dkn + offs_d[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=mask_kv)
