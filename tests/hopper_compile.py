@@ -251,8 +251,8 @@ def forward_variants(launches, q):
 
 
 def hopper_cases():
-    """The Gluon forward through its launcher: both head dims and 16-bit dtypes, each mask flag,
-    dense and packed, GQA."""
+    """The Gluon forward through its launcher: every head dim and 16-bit dtype, each mask flag,
+    dense and packed, GQA, learnable sinks."""
     g = torch.Generator().manual_seed(2)
     cases = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -267,7 +267,10 @@ def hopper_cases():
                     kwargs.update(cu_seqlens_q=torch.tensor([0, 250, 600], dtype=torch.int32),
                                   cu_seqlens_k=torch.tensor([0, 300, 700], dtype=torch.int32), max_seqlen_q=350,
                                   max_seqlen_k=400)
-                name = f"hopper {dtype} d{d} window ({left}, {right}){' varlen' if varlen else ''}"
+                if left >= 0 or varlen:  # gpt-oss: sliding-window layers with learnable sinks
+                    kwargs.update(learnable_sink=torch.randn(8, generator=g))
+                name = (f"hopper {dtype} d{d} window ({left}, {right}){' varlen' if varlen else ''}"
+                        f"{' sink' if 'learnable_sink' in kwargs else ''}")
                 cases.append((name, (q, k, v, torch.empty_like(q), lse), kwargs))
     return cases
 

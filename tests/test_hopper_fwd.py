@@ -23,8 +23,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
-         layout="bshd"):
+         layout="bshd", sink=False):
     gen = torch.Generator().manual_seed(seed)
+    # sinks spread around the scores' range: some rows give the sink most of their weight
+    learnable_sink = torch.randn(nheads, generator=gen) * 3 if sink else None
 
     def t(s, h):
         x = torch.randn(batch, s, h, head_dim, generator=gen).to(dtype).cuda()
@@ -39,13 +41,17 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
                              num_splits=0) is None, "the dispatch does not pick the Hopper kernel"
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, nheads, seqlen_q), float("nan"), device="cuda")
-    hopper_attn_fwd(q, k, v, out, lse, params=params)
+    hopper_attn_fwd(q, k, v, out, lse, params=params,
+                    learnable_sink=None if learnable_sink is None else learnable_sink.cuda())
     torch.cuda.synchronize()
     np64 = lambda x: x.cpu().double().numpy()  # noqa: E731
-    ref_out, ref_lse = reference.attention_naive(np64(q), np64(k), np64(v), causal=causal, window_size=window)
-    plain_out, plain_lse = plain_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal, window_size=window)
+    ref_out, ref_lse = reference.attention_naive(np64(q), np64(k), np64(v), causal=causal, window_size=window,
+                                                 learnable_sink=None if learnable_sink is None else np64(learnable_sink))
+    plain_out, plain_lse = plain_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal, window_size=window,
+                                           learnable_sink=learnable_sink)
     assert_within("out", out, plain_out, ref_out)
     assert_within("lse", lse, plain_lse, ref_lse)
+    return out, lse
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -68,6 +74,20 @@ def test_hopper_window(window):
     _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window)
 
 
+@pytest.mark.parametrize("head_dim, group, seqlen_q, seqlen_k, causal, window", [
+    (64, 8, 1000, 1000, True, (127, 0)),  # gpt-oss: hdim 64, 64/8 heads (here 8/1), sliding window of 128
+    (64, 8, 513, 513, True, (-1, -1)),  # its full layers
+    (128, 2, 300, 100, True, (-1, -1)),  # rows 0-199 see no key: out 0, all weight to the sink
+    (256, 1, 129, 257, False, (-1, -1)),
+])
+def test_hopper_sinks(head_dim, group, seqlen_q, seqlen_k, causal, window):
+    """Learnable sinks: the state starts from the sink's term (m = sink, l = 1)."""
+    out, lse = _run(head_dim + group, 2, seqlen_q, seqlen_k, 8, 8 // group, head_dim, torch.bfloat16,
+                    causal=causal, window=window, sink=True)
+    if seqlen_q > seqlen_k and causal:
+        assert torch.equal(out[:, :seqlen_q - seqlen_k], torch.zeros_like(out[:, :seqlen_q - seqlen_k]))
+
+
 def test_hopper_strided_views():
     """Inputs laid out as (B, H, S, D) and viewed as (B, S, H, D): the TMA descriptors take strides."""
     _run(5, 2, 400, 400, 4, 2, 128, torch.bfloat16, causal=True, layout="bhsd")
@@ -78,12 +98,13 @@ def test_hopper_long():
     _run(11, 1, 4096, 4096, 2, 1, 128, torch.bfloat16, causal=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("group", [1, 4])
-def test_hopper_varlen(causal, group):
+@pytest.mark.parametrize("causal, group, sink", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                 (True, 4, False), (True, 4, True)])
+def test_hopper_varlen(causal, group, sink):
     """Packed sequences (a zero-length one, prime lengths, keys longer and shorter than queries):
     each sequence's rows equal the reference on that sequence alone; tiles that run past a
-    sequence's end read the next one's rows, which must stay masked."""
+    sequence's end read the next one's rows, which must stay masked. With sinks, the sequence
+    without keys gets out 0 and lse = sink."""
     gen = torch.Generator().manual_seed(group + 10 * causal)
     lens_q = [300, 0, 129, 1023, 1, 640]
     lens_k = [300, 5, 257, 1023, 0, 200]
@@ -93,13 +114,15 @@ def test_hopper_varlen(causal, group):
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, generator=gen).to(torch.bfloat16).cuda()
     k = torch.randn(int(cu_k[-1]), nheads // group, head_dim, generator=gen).to(torch.bfloat16).cuda()
     v = torch.randn(int(cu_k[-1]), nheads // group, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    learnable_sink = torch.randn(nheads, generator=gen) * 3 if sink else None
     params = AttnParams(head_dim**-0.5, -1, 0 if causal else -1)
     assert hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=True, paged=False, seqused_k=None,
                              num_splits=0, max_seqlen_q=max(lens_q)) is None, "the dispatch does not pick the Hopper kernel"
     out = torch.full_like(q, float("nan"))
     lse = torch.full((nheads, q.shape[0]), float("nan"), device="cuda")
     hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(),
-                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                    learnable_sink=None if learnable_sink is None else learnable_sink.cuda())
     torch.cuda.synchronize()
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         if lq == 0:
@@ -108,8 +131,9 @@ def test_hopper_varlen(causal, group):
         keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
         qb, kb, vb = q[rows].unsqueeze(0).cpu(), k[keys].unsqueeze(0).cpu(), v[keys].unsqueeze(0).cpu()
         np64 = lambda x: x.double().numpy()  # noqa: E731
-        ref_out, ref_lse = reference.attention_naive(np64(qb), np64(kb), np64(vb), causal=causal)
-        plain_out, plain_lse = plain_attention(qb, kb, vb, causal=causal)
+        ref_out, ref_lse = reference.attention_naive(np64(qb), np64(kb), np64(vb), causal=causal,
+                                                     learnable_sink=None if learnable_sink is None else np64(learnable_sink))
+        plain_out, plain_lse = plain_attention(qb, kb, vb, causal=causal, learnable_sink=learnable_sink)
         assert_within(f"seq {b} out", out[rows].unsqueeze(0), plain_out, ref_out)
         assert_within(f"seq {b} lse", lse[:, rows].unsqueeze(0), plain_lse, ref_lse)
 

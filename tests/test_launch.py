@@ -201,7 +201,7 @@ def test_a_growing_dense_cache_keeps_one_plan():
         assert_within(f"{keys} keys lse", lse, plain_lse, ref_lse)
     (plan,) = A._PLANS.values()
     assert plan.kv_per_call
-    wide = torch.randn(2, 48, 2, 33, generator=gen)[..., :32]  # a row stride of 66: not a multiple of 16
+    wide = torch.randn(2, 48, 2, 33, generator=gen).to(DEV)[..., :32]  # a row stride of 66: not a multiple of 16
     A.attn_fwd(q, wide, wide, out, lse, params=params)
     assert len(A._PLANS) == 2 and A._PLANS[A._plan_key(q, wide, wide, out, lse, params, None, None, None, 0, 0, None,
                                                        None, 1)].fwd is not plan.fwd

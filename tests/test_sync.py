@@ -207,7 +207,9 @@ def test_device_checks_of_cu_seqlens(device_checks, cu_k, ok):
 @pytest.mark.gpu
 def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion():
     """In a fresh process (a failed device assertion ends the CUDA context): cache_seqlens past the
-    capacity, no synchronisation in the call, the failure at the next synchronisation."""
+    capacity, no synchronisation in the call, the failure at the next synchronisation. A valid call
+    comes first: a kernel's first launch in a process loads its module, which waits for the device
+    (and would report the failed assertion there, inside the call)."""
     import os
     import subprocess
     import sys
@@ -216,6 +218,8 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion():
         "import torch, tileattn\n"
         "q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
         "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+        "tileattn.flash_attn_with_kvcache(q, c, c, cache_seqlens=torch.tensor([3, 32], dtype=torch.int32, device='cuda'))\n"
+        "torch.cuda.synchronize()\n"
         "lens = torch.tensor([3, 40], dtype=torch.int32, device='cuda')\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
         "tileattn.flash_attn_with_kvcache(q, c, c, cache_seqlens=lens)\n"

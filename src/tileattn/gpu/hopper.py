@@ -110,9 +110,9 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
 
 
 def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None, cu_seqlens_k=None,
-                    max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
-    """Forward into ``out``/``lse`` (dense, or packed with ``cu_seqlens_q/k``); the call must have
-    passed ``hopper_fwd_reason``."""
+                    max_seqlen_q: int = 0, max_seqlen_k: int = 0, learnable_sink=None) -> None:
+    """Forward into ``out``/``lse`` (dense, or packed with ``cu_seqlens_q/k``; ``learnable_sink``
+    fp32 (nheads,) or None); the call must have passed ``hopper_fwd_reason``."""
     from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -143,10 +143,10 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
         sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
         grid = (min(works, sms),)
     _attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
+        q_desc, k_desc, v_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
         batch, nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left, params.window_right,
         GROUP=nheads // nheads_k, IS_VARLEN=varlen, MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0,
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        HAS_SINK=learnable_sink is not None, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
 
 

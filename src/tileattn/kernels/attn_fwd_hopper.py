@@ -25,7 +25,7 @@ edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks 
 the mask only on tiles outside the fully visible range (a uniform branch per tile).
 
 Features: dense and packed (varlen) batches, causal and sliding windows (bottom-right
-aligned), GQA/MQA, head dims 64, 128 and 256, fp16/bf16. Everything else runs on the portable
+aligned), GQA/MQA, head dims 64, 128 and 256, fp16/bf16, learnable sinks. Everything else runs on the portable
 kernel; the launcher (``tileattn.gpu.hopper``) decides per call.
 """
 
@@ -40,6 +40,7 @@ _online_rescale = gluon.jit(online_rescale.fn)
 _visible_mask = gluon.jit(visible_mask.fn)
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -166,12 +167,16 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, 
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK,
+def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q_arg,
               seqlen_k_arg, scale_log2, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
-    [64 WG, 64 WG + 64) of the block) over every key tile of the block."""
+    [64 WG, 64 WG + 64) of the block) over every key tile of the block.
+
+    ``HAS_SINK``: the head's learnable sink (a logit without a value) starts each row's state
+    as one term already seen, m = sink (log2 units) and l = 1; a row that sees no key then
+    gets out 0 and lse = sink, as in ``attn_fwd.py``."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -199,8 +204,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlen
                                                  window_right, MASK_LEFT, MASK_RIGHT)
             diag_off = seqlen_k - seqlen_q
             q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
+            if HAS_SINK:
+                m_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s) + gl.load(Sink + h) * LOG2E
+                l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_s)
+            else:
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
+                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
             o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
             off = c - n_lo  # tile t of this item is the ring's copy t + off
             mbarrier.wait(q_full.index(WG), j & 1)
@@ -236,7 +245,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlen
             c += n_hi - n_lo
             j += 1
 
-            empty = l_i == 0.0  # [BLOCK_M] rows that saw no key: out 0, lse -inf
+            empty = l_i == 0.0  # [BLOCK_M] rows that saw no key (and no sink): out 0, lse -inf
             l_safe = gl.where(empty, 1.0, l_i)
             lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
             o = o / gl.convert_layout(l_safe, row_o)[:, None]
@@ -251,11 +260,11 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlen
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK,
+    q_desc, k_desc, v_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     batch, nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-    STAGES: gl.constexpr,
+    HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
@@ -294,12 +303,14 @@ def _attn_fwd_hopper_kernel(
     bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os,
-                     stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k, scale_log2,
-                     window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os,
-                     stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k, scale_log2,
-                     window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, stride_ob,
+                     stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k,
+                     scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, HAS_SINK,
+                     STAGES)),
+        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, stride_ob,
+                     stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k,
+                     scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, HAS_SINK,
+                     STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, CuSeqlensK, batch, nheads,
                      seqlen_q, seqlen_k, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
