@@ -29,10 +29,13 @@ def add_args(p) -> None:
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations to run")
     p.add_argument("--hdims", default="", help="comma-separated head dims (default: 128,64; --quick: 128)")
     p.add_argument("--seqlens", default="", help="comma-separated seqlens (default: 512,2048,8192,16384)")
+    p.add_argument("--hdim-v", type=int, default=0,
+                   help="v's head dim when it differs from q/k's (MLA training: --hdims 192 --hdim-v 128)")
 
 
 def build_cases(args) -> list[dict]:
-    """One dict per shape: hdim, causal, seqlen, batch, nheads, fwd FLOPs."""
+    """One dict per shape: hdim, hdim_v, causal, seqlen, batch, nheads, fwd FLOPs (the two
+    matmuls: q/k's head dim in one, v's in the other)."""
     if args.smoke:
         grid = [(64, c, s, 1, 2) for c in (False, True) for s in (128, 256)]
     else:
@@ -40,8 +43,9 @@ def build_cases(args) -> list[dict]:
         hdims = tuple(int(x) for x in args.hdims.split(",")) if args.hdims else hdims
         seqlens = tuple(int(x) for x in args.seqlens.split(",")) if args.seqlens else seqlens
         grid = [(d, c, s, TOKENS // s, WIDTH // d) for d in hdims for c in (False, True) for s in seqlens]
-    return [dict(hdim=d, causal=c, seqlen=s, batch=b, nheads=h, flops=common.attn_flops(b, h, s, s, d, c))
-            for d, c, s, b, h in grid]
+    dv = lambda d: args.hdim_v or d  # noqa: E731
+    return [dict(hdim=d, hdim_v=dv(d), causal=c, seqlen=s, batch=b, nheads=h,
+                 flops=common.attn_flops(b, h, s, s, (d + dv(d)) / 2, c)) for d, c, s, b, h in grid]
 
 
 def make_impl(name: str, causal: bool, seqlen: int, device: str):
@@ -98,7 +102,8 @@ def inputs(case: dict, device: str, dtype):
 
     g = torch.Generator(device=device).manual_seed(case["seqlen"] + case["hdim"])
     shape = (case["batch"], case["seqlen"], case["nheads"], case["hdim"])
-    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
+    shape_v = shape[:-1] + (case["hdim_v"],)
+    q, k, v, dout = (torch.randn(sh, device=device, dtype=dtype, generator=g) for sh in (shape, shape, shape_v, shape_v))
     for t in (q, k, v):
         t.requires_grad_(True)
     return q, k, v, dout
@@ -187,7 +192,8 @@ def speed_table(cases, rows, env) -> None:
         for name in IMPLS:
             r = by.get((c["hdim"], c["causal"], c["seqlen"], name))
             cells.append("–" if r is None else f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])}")
-        body.append([c["hdim"], "yes" if c["causal"] else "no", c["seqlen"], f"{c['batch']}×{c['nheads']}", *cells])
+        hdim = c["hdim"] if c["hdim_v"] == c["hdim"] else f"{c['hdim']}/{c['hdim_v']}"
+        body.append([hdim, "yes" if c["causal"] else "no", c["seqlen"], f"{c['batch']}×{c['nheads']}", *cells])
     cap = None if not env.get("matmul_tflops") else f"bf16 matmul ceiling {env['matmul_tflops']:.0f} TFLOP/s"
     common.print_table("Prefill TFLOP/s, forward / backward (backward = 2.5×fwd FLOPs / (fwd+bwd − fwd))",
                        ["hdim", "causal", "seqlen", "b×h", *IMPLS], body, caption=cap)
