@@ -48,6 +48,9 @@ from .ring import ring_options
 __all__ = ["llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
            "llama3_flash_attn_varlen_qkvpacked_func"]
 
+# newer torch names it all_gather_single and deprecates the old name (same arguments)
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _NAME = "llama3_flash_attn_varlen_func"
 
 
@@ -132,7 +135,7 @@ def _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool, str
                         device=q.device)
     if peers.world_size > 1:
         gathered = need.new_empty(2 * peers.world_size)
-        dist.all_gather_into_tensor(gathered, need, group=peers.group)
+        all_gather(gathered, need, group=peers.group)
         need = gathered
     ranges = need.view(-1, 2).tolist()
     exports = tuple((p, _local(slice(max(a, lo), min(b, hi)), lo)) for p, (a, b) in enumerate(ranges)
