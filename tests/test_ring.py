@@ -431,6 +431,47 @@ def test_llama3_prepare_cu_seqlens(world, causal):
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 4), (-1, 5)])
+def test_llama3_transfers_carry_only_what_is_read(world, causal, window):
+    """llama3's plan: an away document's buffer is its own rows plus rows received from their
+    owners, tiling its key range, whose first and last rows some query of it sees (keys beyond the
+    window's reach never travel); each rank sends exactly the rows the others receive from it; home
+    calls attend their own rows."""
+    from tileattn.contract import AttnParams
+    from tileattn.distributed.llama3 import _documents, _key_range, _layout
+
+    lengths = [5, 0, 17, 1, 9 + (-32 % world)]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    n = int(cu[-1]) // world
+    wl, wr = window
+    params = AttnParams(softmax_scale=1.0, window_left=wl, window_right=0 if causal else wr)
+    prepared = [llama3_flash_attn_prepare_cu_seqlens(cu, causal, r, world) for r in range(world)]
+    docs = [_documents(n, r, p[0], p[1], p[4], params, False) for r, p in enumerate(prepared)]
+    ranges = [_key_range(d, n, r) for r, d in enumerate(docs)]
+    plans = [_layout(d, ranges, n, r, params, prepared[r][0], 1, 2) for r, d in enumerate(docs)]
+    received = {}
+    for r, plan in enumerate(plans):
+        lo = r * n
+        for call in plan.home:
+            assert call.q == call.kv and 0 <= call.q.start < call.q.stop <= n
+        for a in plan.away:
+            pieces = sorted([a.own] + [rows for _, rows in a.sources], key=lambda x: x.start)
+            assert pieces[0].start == a.keys.start and pieces[-1].stop == a.keys.stop
+            assert all(x.stop == y.start for x, y in zip(pieces[:-1], pieces[1:]))
+            assert not (r * n <= a.keys.start and a.keys.stop <= (r + 1) * n), "a home document made away"
+            first_q, last_q = lo + a.call.q.start, lo + a.call.q.stop - 1
+            right = params.window_right
+            assert right < 0 or a.keys.stop - 1 <= last_q + right  # the last key is seen
+            assert wl < 0 or a.keys.start >= first_q - wl  # and the first
+            for p, rows in a.sources:
+                received.setdefault((p, r), []).append((rows.start, rows.stop))
+    sent = {(p, r): [(p * n + rows.start, p * n + rows.stop)] for p, plan in enumerate(plans)
+            for r, rows in plan.exports}
+    assert sent == received
+
+
 def _global_mask(seqlen, window):
     wl, wr = window
     i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]

@@ -84,12 +84,12 @@ class _Away:
 
 @dataclass(frozen=True)
 class Llama3Plan:
-    """What this rank computes and exchanges (host-side, from the offsets' values): the home call
+    """What this rank computes and exchanges (host-side, from the offsets' values): the home calls
     (documents wholly within its rows), the away documents, the rows of its shard that other
     ranks read (``exports``: (rank, local rows)), and the chunks of heads that travel together."""
 
     lo: int
-    home: _Call | None
+    home: tuple
     away: tuple
     exports: tuple
     chunks: tuple
@@ -103,8 +103,24 @@ def _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool, str
           peers: Peers) -> Llama3Plan:
     """Documents, windows and transfers of this rank. Every rank's key range is all-gathered (two
     integers) so that each knows which of its rows the others read."""
-    n = q.shape[0]
-    lo, hi = peers.rank * n, (peers.rank + 1) * n
+    docs = _documents(q.shape[0], peers.rank, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi)
+    need = torch.tensor(_key_range(docs, q.shape[0], peers.rank), dtype=torch.int64, device=q.device)
+    if peers.world_size > 1:
+        gathered = need.new_empty(2 * peers.world_size)
+        all_gather(gathered, need, group=peers.group)
+        need = gathered
+    return _layout(docs, need.view(-1, 2).tolist(), q.shape[0], peers.rank, params, cu_seqlens_q, stride, nheads_k)
+
+
+def _key_range(docs, n: int, rank: int) -> list[int]:
+    """[first, last + 1) of the global key rows this rank reads (its own rows if none)."""
+    return [docs[0][2].start, docs[-1][2].stop] if docs else [rank * n, (rank + 1) * n]
+
+
+def _documents(n: int, rank: int, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool) -> list:
+    """[(b, query rows, key rows)] in global packed rows, keys cut to the window's reach; checks
+    that the offsets are llama3_flash_attn_prepare_cu_seqlens's."""
+    lo = rank * n
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     k0 = local_k_slice.start
     if cu_k[-1] != local_k_slice.stop - k0:
@@ -130,39 +146,43 @@ def _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool, str
                                         f"queries (sequence {b} does: causal=False across a rank border); use "
                                         "causal=True or window_size=(left, 0)")
         docs.append((b, slice(q_lo, q_hi), slice(start, end)))
-    # every rank's key range; the ranges of two ranks' documents that meet in a row coincide there
-    need = torch.tensor([docs[0][2].start, docs[-1][2].stop] if docs else [lo, hi], dtype=torch.int64,
-                        device=q.device)
-    if peers.world_size > 1:
-        gathered = need.new_empty(2 * peers.world_size)
-        all_gather(gathered, need, group=peers.group)
-        need = gathered
-    ranges = need.view(-1, 2).tolist()
+    return docs
+
+
+def _layout(docs, ranges, n: int, rank: int, params, cu_seqlens_q, stride: int, nheads_k: int) -> Llama3Plan:
+    """The plan of ``rank`` from its documents and every rank's key range (``ranges``)."""
+    lo, hi = rank * n, (rank + 1) * n
+    wl, wr = params.window_left, params.window_right
+    device = cu_seqlens_q.device
+    n_docs = cu_seqlens_q.shape[0] - 1
     exports = tuple((p, _local(slice(max(a, lo), min(b, hi)), lo)) for p, (a, b) in enumerate(ranges)
-                    if p != peers.rank and max(a, lo) < min(b, hi))
-    home_docs = [d for d in docs if lo <= d[2].start and d[2].stop <= hi]
-    home = None
-    if home_docs:  # consecutive documents whose keys are their queries: one varlen call, window unmoved
-        first, last = home_docs[0], home_docs[-1]
-        rows = slice(first[1].start - lo, last[1].stop - lo)
-        offsets = [d[1].start - first[1].start for d in home_docs] + [rows.stop - rows.start]
-        cu = cu_seqlens_q if len(home_docs) == len(cu_q) - 1 else torch.tensor(offsets, dtype=torch.int32,
-                                                                                   device=q.device)
+                    if p != rank and max(a, lo) < min(b, hi))
+    runs = []  # home documents (keys = queries, on this rank), consecutive ones in one varlen call
+    for d in docs:
+        if lo <= d[2].start and d[2].stop <= hi:
+            if runs and runs[-1][-1][0] == d[0] - 1:
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+    home = []
+    for run in runs:  # one run unless a sequence with no rows here sits among them
+        rows = slice(run[0][1].start - lo, run[-1][1].stop - lo)
+        offsets = [d[1].start - lo - rows.start for d in run] + [rows.stop - rows.start]
+        cu = cu_seqlens_q if len(run) == n_docs else torch.tensor(offsets, dtype=torch.int32, device=device)
         longest = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-        home = _Call(rows, rows, slice(first[0], last[0] + 1), params, cu, cu, longest, longest)
+        home.append(_Call(rows, rows, slice(run[0][0], run[-1][0] + 1), params, cu, cu, longest, longest))
     away = []
     for b, qs, ks in docs:
         if lo <= ks.start and ks.stop <= hi:
             continue
         shift = qs.stop - ks.stop  # (end of queries) - (end of keys), as in plan.py
         moved = replace(params, window_left=wl - shift if wl >= 0 else -1, window_right=wr + shift if wr >= 0 else -1)
-        sources = tuple((p, slice(max(ks.start, p * n), min(ks.stop, (p + 1) * n)))
-                        for p in range(peers.world_size)
-                        if p != peers.rank and max(ks.start, p * n) < min(ks.stop, (p + 1) * n))
+        sources = tuple((p, slice(max(ks.start, p * n), min(ks.stop, (p + 1) * n))) for p in range(len(ranges))
+                        if p != rank and max(ks.start, p * n) < min(ks.stop, (p + 1) * n))
         away.append(_Away(_Call(_local(qs, lo), slice(0, ks.stop - ks.start), slice(b, b + 1), moved), ks,
                           slice(max(ks.start, lo), min(ks.stop, hi)), sources))
     chunks = tuple((h, h + stride) for h in range(0, nheads_k, stride))
-    return Llama3Plan(lo, home, tuple(away), exports, chunks)
+    return Llama3Plan(lo, tuple(home), tuple(away), exports, chunks)
 
 
 def _heads(h0: int, h1: int, group_size: int) -> slice:
@@ -222,8 +242,7 @@ def llama3_fwd(q, k, v, plan: Llama3Plan, peers, alibi=None, sink=None):
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     posted = [_post_kv(plan, k, v, c, peers) for c in range(len(plan.chunks))]
     everything = slice(0, q.shape[1])
-    if plan.home is not None:  # all heads at once while the away keys travel
-        c = plan.home
+    for c in plan.home:  # all heads at once while the away keys travel
         args, kw = _args(c, everything, alibi, q[c.q], k[c.kv], v[c.kv], out[c.q], lse[:, c.q])
         backend.attn_fwd(*args, learnable_sink=sink, **kw)
     kept = []
@@ -265,8 +284,7 @@ def llama3_bwd(dout, q, k, v, out, lse, dlse, plan: Llama3Plan, kept, peers, det
             dk[own, h0:h1], dv[own, h0:h1] = dkb[own_in], dvb[own_in]
             grads.append((dkb, dvb))
         returning.append((h0, h1, *_post_grads(plan, k, v, i, grads, peers)))
-    if plan.home is not None:
-        c = plan.home
+    for c in plan.home:
         bwd(c, slice(0, q.shape[1]), k[c.kv], v[c.kv], dk[c.kv], dv[c.kv])
     for _, _, transfer, _ in returning:
         transfer.wait()
@@ -300,6 +318,7 @@ class Llama3FlashAttnVarlenFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
+        dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
         dq, dk, dv = llama3_bwd(dout, q, k, v, out, lse, dlse, ctx.plan, ctx.kept, Peers(ctx.group),
                                 ctx.deterministic, ctx.alibi)
         ctx.kept = None

@@ -128,6 +128,7 @@ class RingFlashAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
+        dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
         dq, dk, dv = ring_bwd(dout, q, k, v, out, lse, ctx.plan, Peers(ctx.group), ctx.deterministic, dlse)
         dsink = None if sink is None else sink_grad(dout, out, lse, dlse, sink)
         return dq, dk, dv, dsink, None, None, None
