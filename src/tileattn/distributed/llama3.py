@@ -321,7 +321,6 @@ class Llama3FlashAttnVarlenFunc(torch.autograd.Function):
         dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
         dq, dk, dv = llama3_bwd(dout, q, k, v, out, lse, dlse, ctx.plan, ctx.kept, Peers(ctx.group),
                                 ctx.deterministic, ctx.alibi)
-        ctx.kept = None
         dsink = None if sink is None else sink_grad(dout, out, lse, dlse, sink)
         return dq, dk, dv, dsink, None, None, None, None
 
