@@ -1,12 +1,13 @@
 """Context parallelism per GPU against the single-GPU kernel, and how much of the transfer it hides.
 
-    torchrun --nproc_per_node N benchmarks/ring.py [--tokens 8192 16384] [--varlen llama3]
+    torchrun --nproc_per_node N benchmarks/ring.py [--tokens 8192 16384] [--varlen llama3] [--model-world 4 8]
     python benchmarks/ring.py --tokens 512 --heads 2 --hdim 32   # a world of one process (CPU ok)
 
 Dense (default): per-GPU length s, causal (zigzag shards) and not, bf16, batch 1, 16 heads of
 128. ``--varlen llama3``: documents of 1k-16k tokens (seeded) packed into s tokens per GPU,
-causal, through ``llama3_flash_attn_varlen_func`` (K/V all-gathered ``--heads-k-stride`` heads
-at a time); one GPU runs ``flash_attn_varlen_func`` on s tokens packed the same way. Timed:
+causal, through llama3's forward and backward (the rows other ranks read travel
+``--heads-k-stride`` heads at a time); one GPU runs ``flash_attn_varlen_func`` on s tokens
+packed the same way (the first s tokens of the same draw: rank 0's documents). Timed:
 
     single   the backend kernel alone on s tokens per GPU (fwd; fwd + bwd)
     ring     the ring (or llama3) on W s tokens, each GPU holding s of them
@@ -19,6 +20,10 @@ at a time); one GPU runs ``flash_attn_varlen_func`` on s tokens packed the same 
 ``hidden`` = 1 - (ring - compute) / comm: the share of the transfer time hidden behind compute.
 FLOPs: 4 h d per visible (query, key) pair (causal: half), fwd + bwd 3.5x the forward; a ring
 GPU's share is 1/W of the whole batch's count.
+
+``--model-world 4 8`` (dense): after the measured table, a MODELLED one for those world sizes,
+from this run's own columns (``model_world``): per-rank compute = single + (W-1) x the time of
+one off-diagonal block, exposed transfer = (W-1) x the exposed transfer per step measured.
 
 Timing: every rank runs the same fixed number of repetitions between barriers (do_bench picks
 its own count per rank, which would deadlock the ring); per repetition the slowest rank counts,
@@ -69,23 +74,8 @@ class LocalPeers:
     def exchange(self, send, send_to, recv_like, recv_from, tag):
         return _Done(recv_like)
 
-
-class LocalGather:
-    """llama3's all-gather with no communication: the local heads copied into a reused buffer."""
-
-    _buffers: dict = {}
-
-    def __init__(self, k, v, h0, h1, group):
-        world = dist.get_world_size(group)
-        key = (k.shape, h0, h1, k.dtype)
-        if key not in self._buffers:
-            self._buffers[key] = [t.new_empty((world * t.shape[0], h1 - h0, t.shape[2])) for t in (k, v)]
-        self.full = self._buffers[key]
-        for f, t in zip(self.full, (k, v)):
-            f[:t.shape[0]].copy_(t[:, h0:h1])
-
-    def wait(self):
-        return self.full
+    def post(self, sends, recvs):
+        return _Done(None)
 
 
 def _sync(device):
@@ -131,6 +121,23 @@ def _summary(ms: dict, flops_single: float, flops_ring: float, world: int) -> di
         exposed = ms[f"ring {part}"] - ms[f"compute {part}"]
         hidden[part] = 1.0 - exposed / ms[comm] if world > 1 and ms[comm] > 0 else float("nan")
     return dict(ms=ms, tflops=tflops, hidden=hidden)
+
+
+def model_world(ms: dict, world: int, target: int) -> dict:
+    """Modelled ms of a zigzag ring of ``target`` GPUs at the same tokens per GPU, from the ms
+    measured on ``world`` >= 2 GPUs. Per part (fwd, fwd+bwd): one off-diagonal block (two shards,
+    s^2/2 entries causal, s^2 full: the same at any W) takes ``t_off = (compute - single) / (W - 1)``
+    and each ring step exposes ``e = (ring - compute) / (W - 1)`` of transfer (a step moves the same
+    bytes at any W); then ``compute_T = single + (T - 1) t_off`` and ``ring_T = compute_T + (T - 1) e``.
+    A GPU's share of the FLOPs is T x one GPU's, so ``ring/1 = T single / ring_T``."""
+    out = {}
+    for part in ("fwd", "fwd+bwd"):
+        single, compute, ring = ms[f"single {part}"], ms[f"compute {part}"], ms[f"ring {part}"]
+        t_off, exposed = (compute - single) / (world - 1), (ring - compute) / (world - 1)
+        out[f"compute {part}"] = single + (target - 1) * t_off
+        out[f"ring {part}"] = out[f"compute {part}"] + (target - 1) * exposed
+        out[f"ring/1 {part}"] = target * single / out[f"ring {part}"]
+    return out
 
 
 # ----------------------------------------------------------------------------- dense, zigzag
@@ -256,46 +263,31 @@ def run_llama3(tokens: int, args, device) -> dict:
                 o.backward(dout)
         return fn
 
-    def ring(bwd: bool):
-        qs, ks, vs = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+    params = AttnParams(softmax_scale=args.hdim**-0.5, window_right=0)
+    real, local = Peers(None), LocalPeers(rank, world)
+    plan = L3._plan(q, cu_q, cu_k, k_slice, params, False, args.heads_k_stride, args.heads, real)
 
+    def ring(peers, bwd: bool):
         def fn():
-            o = llama3_flash_attn_varlen_func(qs, ks, vs, cu_q, cu_k, max_q, max_k, args.heads_k_stride, k_slice,
-                                              causal=True)
+            o, l_, kept = L3.llama3_fwd(q, k, v, plan, peers)
             if bwd:
-                o.backward(dout)
+                L3.llama3_bwd(dout, q, k, v, o, l_, None, plan, kept, peers, deterministic=False)
         return fn
 
-    def compute(bwd: bool):
-        ring_fn = ring(bwd)
-
+    def comm(bwd: bool):  # the rows other ranks read, and with bwd their gradients' return
         def fn():
-            L3._Gather, saved = LocalGather, L3._Gather
-            try:
-                ring_fn()
-            finally:
-                L3._Gather = saved
-        return fn
-
-    def comm(bwd: bool):
-        stride = args.heads_k_stride
-
-        def fn():
-            for _ in range(2 if bwd else 1):
-                for h in range(0, k.shape[1], stride):
-                    L3._Gather(k, v, h, h + stride, None).wait()
-            if bwd:
-                for h in range(0, k.shape[1], stride):
-                    full = torch.zeros((world * tokens, stride, args.hdim), device=device, dtype=torch.float32)
-                    mine = torch.empty((tokens, stride, args.hdim), device=device, dtype=torch.float32)
-                    L3.reduce_scatter(mine, full)
-                    L3.reduce_scatter(mine, full)
+            for c in range(len(plan.chunks)):
+                bufs, transfer = L3._post_kv(plan, k, v, c, real)
+                transfer.wait()
+                if bwd:
+                    L3._post_grads(plan, k, v, c, bufs, real)[0].wait()
         return fn
 
     timing = dict(warmup=args.warmup, reps=args.reps, device=device)
-    ms = {"single fwd": bench(single(False), **timing), "ring fwd": bench(ring(False), **timing),
-          "compute fwd": bench(compute(False), **timing), "single fwd+bwd": bench(single(True), **timing),
-          "ring fwd+bwd": bench(ring(True), **timing), "compute fwd+bwd": bench(compute(True), **timing),
+    ms = {"single fwd": bench(single(False), **timing), "ring fwd": bench(ring(real, False), **timing),
+          "compute fwd": bench(ring(local, False), **timing), "single fwd+bwd": bench(single(True), **timing),
+          "ring fwd+bwd": bench(ring(real, True), **timing),
+          "compute fwd+bwd": bench(ring(local, True), **timing),
           "comm fwd": bench(comm(False), **timing), "comm fwd+bwd": bench(comm(True), **timing)}
     res = _summary(ms, _causal_flops(one, args.heads, args.hdim), _causal_flops(docs, args.heads, args.hdim) / world,
                    world)
@@ -339,6 +331,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--check-tokens", type=int, default=2048, help="tokens per GPU of the correctness check")
+    parser.add_argument("--model-world", type=int, nargs="*", default=[],
+                        help="dense: also print modelled figures for these world sizes (see model_world)")
     args = parser.parse_args()
     device = init()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -359,8 +353,10 @@ def main():
         print(f"{'tokens/GPU':>10} {'causal':>6} | {'single fwd':>16} {'ring fwd':>16} {'compute fwd':>16} | "
               f"{'single f+b':>16} {'ring f+b':>16} {'compute f+b':>16} | {'ring/1':>6} | {'comm f':>7} "
               f"{'comm f+b':>8} | {'hidden f':>8} {'hidden f+b':>10}")
+    measured = []
     for tokens, causal in cases:
         res = run_llama3(tokens, args, device) if llama3 else run_dense(tokens, causal, args, device)
+        measured.append((tokens, causal, res))
         if rank == 0:
             cells = [f"{res['tflops'][n]:7.1f} ({res['ms'][n]:6.2f})" for n in
                      ("single fwd", "ring fwd", "compute fwd", "single fwd+bwd", "ring fwd+bwd", "compute fwd+bwd")]
@@ -368,6 +364,21 @@ def main():
             print(f"{tokens:>10} {str(causal):>6} | {' '.join(cells[:3])} | {' '.join(cells[3:])} | {ratio:6.2f} | "
                   f"{res['ms']['comm fwd']:7.2f} {res['ms']['comm fwd+bwd']:8.2f} | {res['hidden']['fwd']:8.1%} "
                   f"{res['hidden']['fwd+bwd']:10.1%}", flush=True)
+    if rank == 0 and args.model_world and not llama3:
+        if world < 2:
+            print("--model-world needs a measured ring of at least 2 GPUs")
+        else:
+            print(f"MODELLED from the {world}-GPU rows above (model_world): ms per GPU, TFLOP/s in brackets")
+            print(f"{'GPUs':>4} {'tokens/GPU':>10} {'causal':>6} | {'compute fwd':>16} {'ring fwd':>16} | "
+                  f"{'compute f+b':>16} {'ring f+b':>16} | {'ring/1 f':>8} {'ring/1 f+b':>10}")
+            for target in args.model_world:
+                for tokens, causal, res in measured:
+                    m = model_world(res["ms"], world, target)
+                    flops = 4 * args.batch * args.heads * tokens**2 * args.hdim * (0.5 if causal else 1.0) * target
+                    cells = [f"{m[n]:7.2f} ({flops * (3.5 if 'bwd' in n else 1.0) / (m[n] * 1e-3) / 1e12:6.1f})"
+                             for n in ("compute fwd", "ring fwd", "compute fwd+bwd", "ring fwd+bwd")]
+                    print(f"{target:>4} {tokens:>10} {str(causal):>6} | {' '.join(cells[:2])} | "
+                          f"{' '.join(cells[2:])} | {m['ring/1 fwd']:8.2f} {m['ring/1 fwd+bwd']:10.2f}", flush=True)
     dist.destroy_process_group()
 
 

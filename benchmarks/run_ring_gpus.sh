@@ -4,7 +4,8 @@
 # 1. benchmarks/ring.py under torchrun on every GPU, zigzag (dense): a correctness check of the
 #    public ring (forward and gradients) against one GPU, then per-GPU TFLOP/s of the ring
 #    against one GPU at the same per-GPU length, and the share of the transfer hidden (fwd,
-#    fwd+bwd); log in $OUT/ring_bench.log;
+#    fwd+bwd), then the same figures MODELLED for 4 and 8 GPUs from this run's columns
+#    (--model-world, formula in benchmarks/ring.py model_world); log in $OUT/ring_bench.log;
 # 2. the same with --varlen llama3 (documents of 1k-16k packed into 32k tokens per GPU, causal),
 #    log in $OUT/ring_llama3.log;
 # 3. the NCCL cases of tests/test_ring.py on min(4, GPUs) spawned ranks (forward, LSE and
@@ -23,8 +24,8 @@ mkdir -p "$OUT"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 echo "=== benchmarks/ring.py (zigzag) on $GPUS GPUs ==="
 # shellcheck disable=SC2086
-timeout 170 torchrun --nproc_per_node "$GPUS" benchmarks/ring.py --tokens ${TOKENS:-8192 16384} --reps 5 2>&1 \
-  | tee "$OUT/ring_bench.log" | grep -v "^W\|^\*\*\*\|Warning\|warn" | tail -n 8
+timeout 170 torchrun --nproc_per_node "$GPUS" benchmarks/ring.py --tokens ${TOKENS:-8192 16384} --reps 5 \
+  --model-world 4 8 2>&1 | tee "$OUT/ring_bench.log" | grep -v "^W\|^\*\*\*\|Warning\|warn" | tail -n 18
 echo "=== benchmarks/ring.py --varlen llama3 on $GPUS GPUs ==="
 timeout 170 torchrun --nproc_per_node "$GPUS" benchmarks/ring.py --varlen llama3 --tokens "${VARLEN_TOKENS:-32768}" \
   --heads-k-stride "${STRIDE:-4}" --reps 5 2>&1 | tee "$OUT/ring_llama3.log" | grep -v "^W\|^\*\*\*\|Warning\|warn" \

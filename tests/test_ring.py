@@ -98,6 +98,24 @@ CASES = {
     "llama3-causal-alibi-bf16-kvpacked": dict(kind="llama3", causal=True, alibi=True, window=(7, -1),
                                               dtype="bfloat16", docs=(9, 15, 3), heads=(4, 4), hdim=16, stride=2,
                                               form="kvpacked"),
+    # learnable sinks (once per row, their gradient summed over the ranks) and a gradient reaching the LSE
+    "zigzag-causal-sink-dlse-gqa": dict(kind="zigzag", causal=True, dtype="float32", batch=2, seqlen=10, heads=(4, 2),
+                                        hdim=16, sink=True, dlse=True),
+    "contiguous-window-sink-dlse-bf16": dict(kind="contiguous", causal=True, window=(5, -1), dtype="bfloat16",
+                                             batch=1, seqlen=12, heads=(2, 1), hdim=16, sink=True, dlse=True),
+    "contiguous-full-dlse-softcap": dict(kind="contiguous", causal=False, dtype="float32", batch=1, seqlen=9,
+                                         heads=(2, 2), hdim=16, softcap=3.0, dlse=True),
+    "zigzag-varlen-sink-dlse": dict(kind="zigzag-varlen", causal=True, dtype="float32", units=(2, 0, 3), heads=(4, 1),
+                                    hdim=16, sink=True, dlse=True),
+    "contiguous-varlen-window-sink-dlse": dict(kind="contiguous-varlen", causal=False, window=(3, 2),
+                                               dtype="float32", units=(3, 1), heads=(2, 1), hdim=16, sink=True,
+                                               dlse=True),
+    "llama3-causal-sink-dlse-gqa": dict(kind="llama3", causal=True, dtype="float32", docs=(5, 0, 17, 1, 9),
+                                        heads=(4, 2), hdim=16, stride=1, sink=True, dlse=True),
+    # fp32: in bf16 at world 3, flash_attn_varlen_func itself misses the rule on dsink (2.3e-3 against
+    # plain torch's 3.7e-4 on this draw) and the ring equals it
+    "llama3-full-window-sink-dlse": dict(kind="llama3", causal=False, window=(4, 6), dtype="float32",
+                                         docs=(11, 19, 2), heads=(2, 2), hdim=16, stride=2, sink=True, dlse=True),
     # the Triton kernels under the interpreter (world 2 only: slow), fp32 state written in place
     "zigzag-causal-gqa-triton": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=8, heads=(2, 1),
                                      hdim=16, backend="triton"),
@@ -107,6 +125,8 @@ CASES = {
                                  hdim=16, backend="triton"),
     "llama3-window-triton": dict(kind="llama3", causal=False, window=(3, 2), dtype="float32", docs=(5, 9, 0, 2),
                                  heads=(2, 1), hdim=16, stride=1, backend="triton"),
+    "llama3-causal-sink-dlse-triton": dict(kind="llama3", causal=True, dtype="float32", docs=(7, 9), heads=(2, 1),
+                                           hdim=16, stride=1, sink=True, dlse=True, backend="triton"),
 }
 
 
@@ -140,7 +160,8 @@ def _randn(shape, g, dtype):
 
 
 def _inputs(case, world: int, seed: int):
-    """Seeded q, k, v, dout of the whole sequence (the same on every rank), alibi slopes or None."""
+    """Seeded q, k, v, dout of the whole sequence (the same on every rank); alibi slopes, sinks and
+    the gradient reaching the LSE (fp32, lse's layout), each or None."""
     g = torch.Generator().manual_seed(seed)
     nheads, nheads_k = case["heads"]
     dtype = getattr(torch, case["dtype"])
@@ -153,39 +174,52 @@ def _inputs(case, world: int, seed: int):
     k, v = (_randn(lead + (nheads_k, hdim), g, dtype) for _ in range(2))
     dout = _randn(lead + (nheads, hdim), g, dtype)
     slopes = torch.rand(nheads, generator=g) * 0.5 + 0.1 if case.get("alibi") else None
-    return q, k, v, dout, slopes
+    sink = torch.randn(nheads, generator=g) if case.get("sink") else None
+    lse_shape = (lead[0], nheads, lead[1]) if len(lead) == 2 else (nheads, lead[0])
+    dlse = torch.randn(lse_shape, generator=g) if case.get("dlse") else None
+    return q, k, v, dout, slopes, sink, dlse
 
 
-def _oracle(case, q, k, v, dout, slopes, world: int):
-    """(ref64, plain) pairs for out, lse, dq, dk, dv of the whole sequence / packed batch."""
+def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int):
+    """(ref64, plain) lists for out, lse, dq, dk, dv (and dsink with sinks) of the whole sequence /
+    packed batch, for the loss sum(out * dout) + sum(lse * dlse)."""
     opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
                 softmax_scale=case.get("softmax_scale"))
     alibi = None if slopes is None else slopes.double().numpy()
+    sink64 = None if sink is None else sink.double().numpy()
 
-    def one(qs, ks, vs, ds):  # (B, S, H, D) tensors
+    def one(qs, ks, vs, ds, dl):  # (B, S, H, D) tensors, dl (B, H, S) or None
         ref_out, ref_lse = attention_naive(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
-                                           alibi_slopes=alibi, **opts)
+                                           alibi_slopes=alibi, learnable_sink=sink64, **opts)
         ref_grads = attention_naive_grad(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
-                                         ds.double().numpy(), alibi_slopes=alibi, **opts)
+                                         ds.double().numpy(), dlse=None if dl is None else dl.double().numpy(),
+                                         alibi_slopes=alibi, learnable_sink=sink64, **opts)
         pq, pk, pv = (t.clone().requires_grad_() for t in (qs, ks, vs))
-        plain_out, plain_lse = plain_attention(pq, pk, pv, alibi_slopes=slopes, **opts)
-        plain_grads = torch.autograd.grad(plain_out, (pq, pk, pv), ds)
+        leaves = (pq, pk, pv) if sink is None else (pq, pk, pv, sink.clone().requires_grad_())
+        plain_out, plain_lse = plain_attention(pq, pk, pv, alibi_slopes=slopes,
+                                               learnable_sink=None if sink is None else leaves[3], **opts)
+        outputs, grads_in = (plain_out,), (ds,)
+        if dl is not None:
+            outputs, grads_in = (plain_out, plain_lse), (ds, dl.to(plain_lse.dtype))
+        plain_grads = torch.autograd.grad(outputs, leaves, grads_in)
         refs = [torch.from_numpy(x) for x in (ref_out, ref_lse, *ref_grads)]
         return refs, [plain_out.detach(), plain_lse.detach(), *plain_grads]
 
     if case["kind"] in ("contiguous", "zigzag"):
-        return one(q, k, v, dout)
-    refs, plains = [[] for _ in range(5)], [[] for _ in range(5)]
+        return one(q, k, v, dout, dlse)
+    parts = 5 if sink is None else 6
+    refs, plains = [[] for _ in range(parts)], [[] for _ in range(parts)]
     start = 0
     for n in _doc_lengths(case, world):
         if n:
-            r, p = one(*(t[start:start + n].unsqueeze(0) for t in (q, k, v, dout)))
-            for i in range(5):  # packed layouts: tokens first, lse (heads, tokens)
-                refs[i].append(r[i][0])
-                plains[i].append(p[i][0])
+            dl = None if dlse is None else dlse[:, start:start + n].unsqueeze(0)
+            r, p = one(*(t[start:start + n].unsqueeze(0) for t in (q, k, v, dout)), dl)
+            for i in range(parts):  # packed layouts: tokens first, lse (heads, tokens); dsink summed below
+                refs[i].append(r[i] if i == 5 else r[i][0])
+                plains[i].append(p[i] if i == 5 else p[i][0])
         start += n
-    return ([torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(refs)],
-            [torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(plains)])
+    return ([sum(x) if i == 5 else torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(refs)],
+            [sum(x) if i == 5 else torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(plains)])
 
 
 # ----------------------------------------------------------------------------- one case, one rank
@@ -204,10 +238,11 @@ def _view(shard):
 def _run_case(name: str, rank: int, world: int, group, device) -> None:
     case = CASES[name]
     kind, form = case["kind"], case.get("form")
-    q, k, v, dout, slopes = _inputs(case, world, seed=list(CASES).index(name))
+    q, k, v, dout, slopes, sink, dlse = _inputs(case, world, seed=list(CASES).index(name))
+    sink_leaf = None if sink is None else sink.clone().to(device).requires_grad_()
     opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)),
                 softmax_scale=case.get("softmax_scale"), return_attn_probs=True, group=group,
-                softcap=case.get("softcap", 0.0))
+                softcap=case.get("softcap", 0.0), learnable_sink=sink_leaf)
     docs = torch.tensor([0] + _doc_lengths(case, world), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     if kind == "contiguous":
         mine = lambda x, dim=1: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
@@ -224,9 +259,9 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         local = [_view(t) for t in local]
     lq, lk, lv = (t.detach().requires_grad_() for t in local)
     if kind in ("contiguous", "zigzag"):
-        if kind == "contiguous" and case["causal"] and "window" not in case:
+        if kind == "contiguous" and case["causal"] and "window" not in case and not case.get("dlse"):
             # the call a port from ring-flash-attention makes (issue 15.6): no layout argument
-            out = ring_flash_attn_func(lq, lk, lv, causal=True, group=group)
+            out = ring_flash_attn_func(lq, lk, lv, causal=True, group=group, learnable_sink=sink_leaf)
             _, lse, _ = ring_flash_attn_func(lq.detach(), lk.detach(), lv.detach(), **opts)
         elif form == "kvpacked":
             out, lse, _ = DENSE[kind, form](lq, torch.stack([lk, lv], dim=2), **opts)
@@ -257,16 +292,23 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         else:
             out, lse, _ = llama3_flash_attn_varlen_func(lq, lk, lv, cu_q, cu_k, max_q, max_k, case["stride"], k_slice,
                                                         **opts)
-    out.backward(mine(dout).to(device))
-
-    refs, plains = _oracle(case, q, k, v, dout, slopes, world)
     lse_dim = 2 if kind in ("contiguous", "zigzag") else 1
+    if dlse is None:
+        out.backward(mine(dout).to(device))
+    else:  # the loss sum(out * dout) + sum(lse * dlse)
+        torch.autograd.backward((out, lse), (mine(dout).to(device), mine(dlse, lse_dim).to(device)))
+
+    refs, plains = _oracle(case, q, k, v, dout, slopes, sink, dlse, world)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert_within(f"{name} out", out, mine(plains[0]), mine(refs[0]))
     assert_within(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
     for label, got, plain, ref in zip(("dq", "dk", "dv"), (lq.grad, lk.grad, lv.grad), plains[2:], refs[2:]):
         assert got.dtype == q.dtype
         assert_within(f"{name} {label}", got, mine(plain), mine(ref), factor=GRAD_FACTOR)
+    if sink is not None:  # each rank holds its rows' share of the sinks' gradient
+        dsink = sink_leaf.grad.clone()
+        dist.all_reduce(dsink, group=group)
+        assert_within(f"{name} dsink", dsink.cpu(), plains[5], refs[5], factor=GRAD_FACTOR)
 
 
 def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str) -> None:
@@ -387,6 +429,47 @@ def test_llama3_prepare_cu_seqlens(world, causal):
             assert k_lo == starts[doc]
             assert k_hi == (int(q_rows[-1]) + 1 if causal else int(cu[doc + 1]))
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0), (2, 4), (-1, 5)])
+def test_llama3_transfers_carry_only_what_is_read(world, causal, window):
+    """llama3's plan: an away document's buffer is its own rows plus rows received from their
+    owners, tiling its key range, whose first and last rows some query of it sees (keys beyond the
+    window's reach never travel); each rank sends exactly the rows the others receive from it; home
+    calls attend their own rows."""
+    from tileattn.contract import AttnParams
+    from tileattn.distributed.llama3 import _documents, _key_range, _layout
+
+    lengths = [5, 0, 17, 1, 9 + (-32 % world)]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    n = int(cu[-1]) // world
+    wl, wr = window
+    params = AttnParams(softmax_scale=1.0, window_left=wl, window_right=0 if causal else wr)
+    prepared = [llama3_flash_attn_prepare_cu_seqlens(cu, causal, r, world) for r in range(world)]
+    docs = [_documents(n, r, p[0], p[1], p[4], params, False) for r, p in enumerate(prepared)]
+    ranges = [_key_range(d, n, r) for r, d in enumerate(docs)]
+    plans = [_layout(d, ranges, n, r, params, prepared[r][0], 1, 2) for r, d in enumerate(docs)]
+    received = {}
+    for r, plan in enumerate(plans):
+        lo = r * n
+        for call in plan.home:
+            assert call.q == call.kv and 0 <= call.q.start < call.q.stop <= n
+        for a in plan.away:
+            pieces = sorted([a.own] + [rows for _, rows in a.sources], key=lambda x: x.start)
+            assert pieces[0].start == a.keys.start and pieces[-1].stop == a.keys.stop
+            assert all(x.stop == y.start for x, y in zip(pieces[:-1], pieces[1:]))
+            assert not (r * n <= a.keys.start and a.keys.stop <= (r + 1) * n), "a home document made away"
+            first_q, last_q = lo + a.call.q.start, lo + a.call.q.stop - 1
+            right = params.window_right
+            assert right < 0 or a.keys.stop - 1 <= last_q + right  # the last key is seen
+            assert wl < 0 or a.keys.start >= first_q - wl  # and the first
+            for p, rows in a.sources:
+                received.setdefault((p, r), []).append((rows.start, rows.stop))
+    sent = {(p, r): [(p * n + rows.start, p * n + rows.stop)] for p, plan in enumerate(plans)
+            for r, rows in plan.exports}
+    assert sent == received
 
 
 def _global_mask(seqlen, window):

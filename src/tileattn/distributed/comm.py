@@ -45,15 +45,20 @@ class Peers:
         r %= self.world_size
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
+    def post(self, sends, recvs) -> Transfer:
+        """Post sends and receives together: ``sends`` and ``recvs`` are lists of (group rank, tensor,
+        tag), each tensor contiguous (a receive writes into its tensor)."""
+        ops = [dist.P2POp(dist.isend, t, self._global(p), self.group, tag) for p, t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group, tag) for p, t, tag in recvs]
+        return Transfer(sends, None, dist.batch_isend_irecv(ops) if ops else [])
+
     def exchange(self, send, send_to, recv_like, recv_from, tag: int) -> Transfer:
         """Post a send of ``send`` (contiguous) to group rank ``send_to`` and a receive of a tensor of
         ``recv_like``'s shape and dtype from ``recv_from`` (either may be None: nothing to send / to
         receive)."""
-        ops, received = [], None
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, self._global(send_to), self.group, tag))
+        received = None
         if recv_like is not None:
             received = torch.empty(recv_like.shape, dtype=recv_like.dtype, device=recv_like.device)
-            ops.append(dist.P2POp(dist.irecv, received, self._global(recv_from), self.group, tag))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return Transfer(send, received, works)
+        posted = self.post([] if send is None else [(send_to, send, tag)],
+                           [] if received is None else [(recv_from, received, tag)])
+        return Transfer(send, received, posted._works)

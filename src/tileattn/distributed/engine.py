@@ -38,7 +38,7 @@ from ..ops.backend import backend_for
 from ..ops.merge import merge_into
 from .comm import Peers
 
-__all__ = ["Call", "ring_fwd", "ring_bwd"]
+__all__ = ["Call", "ring_fwd", "ring_bwd", "sink_grad"]
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,9 @@ def _post_grad(peers: Peers, plan: Plan, own, grad, step: int):
     return peers.exchange(grad, r - step, recv, r + step, tag=w + step)
 
 
-def ring_fwd(q, k, v, plan: Plan, peers: Peers):
-    """(out in q's dtype, lse fp32) of this rank's queries over every rank's keys/values."""
+def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
+    """(out in q's dtype, lse fp32) of this rank's queries over every rank's keys/values; learnable
+    sinks ``sink`` (nheads,) merged once into the final state."""
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
     out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
@@ -200,10 +201,23 @@ def ring_fwd(q, k, v, plan: Plan, peers: Peers):
     if fresh:  # no call at all (no key visible to any query here)
         out.zero_()
         lse.fill_(float("-inf"))
+    if sink is not None:  # the sink as a state (out 0, lse sink_h), once per row
+        merge_into(out, lse, out.new_zeros(()).expand(out.shape), sink.float()[:, None].expand(lse.shape))
     return out.to(q.dtype), lse
 
 
-def _bwd_call(backend, call: Call, dout, q, kv, out, lse, packed: bool, deterministic: bool, dq_into=None,
+def sink_grad(dout, out, lse, dlse, sink):
+    """The gradient of learnable sinks from this rank's rows: ``dsink_h = -sum P_sink delta`` with
+    ``P_sink = exp(sink_h - lse)`` and ``delta = rowsum(dout * out) - dlse`` (``tileattn.reference``).
+    Layouts: dense out (B, S, H, D) with lse (B, H, S), packed out (T, H, D) with lse (H, T)."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # lse's layout
+    if dlse is not None:
+        delta = delta - dlse
+    p_sink = torch.exp(sink.float()[:, None] - lse)
+    return -(p_sink * delta).reshape(-1, *lse.shape[-2:]).sum((0, 2)).to(sink.dtype)
+
+
+def _bwd_call(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, deterministic: bool, dq_into=None,
               dkv_into=None):
     """One call's (dq, dk, dv), written into ``dq_into`` / ``dkv_into`` (query rows / key rows of the
     call) when given."""
@@ -214,14 +228,21 @@ def _bwd_call(backend, call: Call, dout, q, kv, out, lse, packed: bool, determin
         dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
     else:
         dk_c, dv_c = _take(dkv_into[0], call.kv, axis), _take(dkv_into[1], call.kv, axis)
-    args = _one_doc(call, packed, _take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis),
-                    _take(lse, call.q, axis + 1), dq_c, dk_c, dv_c)
-    backend.attn_bwd(*args, params=call.params, deterministic=deterministic, **_varlen_args(call))
+    rows = [_take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis), _take(lse, call.q, axis + 1), dq_c,
+            dk_c, dv_c]
+    extra = {}
+    if dlse is not None:
+        *rows, extra["dlse"] = _one_doc(call, packed, *rows, _take(dlse, call.q, axis + 1))
+    else:
+        rows = _one_doc(call, packed, *rows)
+    backend.attn_bwd(*rows, params=call.params, deterministic=deterministic, **extra, **_varlen_args(call))
     return dq_c, dk_c, dv_c
 
 
-def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: bool):
-    """Gradients (dq, dk, dv) of sum(out * dout), with the final ``out`` and ``lse`` of the forward.
+def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: bool, dlse=None):
+    """Gradients (dq, dk, dv) of sum(out * dout) + sum(lse * dlse), with the final ``out`` and
+    ``lse`` of the forward: every call's share, as each call's probabilities are exp(S - lse) and
+    its delta is rowsum(dout * out) - dlse.
 
     Where one call covers all rows its gradients are written straight into the fp32 accumulators
     (the first call) or into the message returning a borrowed shard's gradient (a step's only
@@ -262,7 +283,7 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
                 target = dkv if direct_kv else None
             else:
                 target = grad if direct_grad else None
-            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, plan.packed, deterministic,
+            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, dlse, plan.packed, deterministic,
                                          dq_into=dq if direct_q else None, dkv_into=target)
             if not direct_q:
                 _add_rows(dq, call.q, dq_c, axis)

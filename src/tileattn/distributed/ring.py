@@ -19,9 +19,13 @@ the local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)). D
 q, k, v; every rank must call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0.
 Runs on gloo (CPU tensors) and NCCL (CUDA).
 
+``learnable_sink`` ((nheads,) fp32, tileattn's addition) joins each row's softmax once: the
+ring merges it into the final state. Its gradient is this rank's rows' share (sum it across the
+ranks as for any replicated parameter). The returned LSE is differentiable: a gradient reaching
+it enters every call's backward as ``dlse``.
+
 Not yet: ``dropout_p > 0`` and ``alibi_slopes`` (both depend on a score's global position,
-which the backend kernels do not take; see NotImplementedError messages); the LSE is not
-differentiable.
+which the backend kernels do not take; see NotImplementedError messages).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch.distributed as dist
 
 from ..ops import _validate as V
 from .comm import Peers
-from .engine import Call, Plan, ring_bwd, ring_fwd
+from .engine import Call, Plan, ring_bwd, ring_fwd, sink_grad
 from .plan import dense_pairs, fast_blocks, is_fast
 
 __all__ = [
@@ -109,22 +113,25 @@ class VarlenPlan(Plan):
 
 
 class RingFlashAttnFunc(torch.autograd.Function):
-    """Forward and backward both run around the ring of ``group``, following ``plan``."""
+    """Forward and backward both run around the ring of ``group``, following ``plan``;
+    differentiable in q, k, v, the sinks and the returned LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, group, deterministic):
-        out, lse = ring_fwd(q, k, v, plan, Peers(group))
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sink, plan, group, deterministic):
+        out, lse = ring_fwd(q, k, v, plan, Peers(group), sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.group, ctx.deterministic = plan, group, deterministic
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_bwd(V.last_dim_contiguous(dout), q, k, v, out, lse, ctx.plan, Peers(ctx.group),
-                              ctx.deterministic)
-        return dq, dk, dv, None, None, None
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
+        dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
+        dq, dk, dv = ring_bwd(dout, q, k, v, out, lse, ctx.plan, Peers(ctx.group), ctx.deterministic, dlse)
+        dsink = None if sink is None else sink_grad(dout, out, lse, dlse, sink)
+        return dq, dk, dv, dsink, None, None, None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -156,7 +163,7 @@ def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size,
 
 
 def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                return_attn_probs, group, softcap):
+                return_attn_probs, group, softcap, learnable_sink):
     V.check_qkv(q, k, v, packed=False)
     if k.shape[:2] != q.shape[:2]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same (batch, seqlen_local), got "
@@ -167,9 +174,10 @@ def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_
     params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    sink = V.check_sink(learnable_sink, q, q.shape[2])
     plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
+    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -187,69 +195,72 @@ def _unpack(name: str, packed, parts: int, dims: int):
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *, softcap=0.0):
+                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                         softcap=0.0, learnable_sink=None):
     """Attention over a sequence cut in CONTIGUOUS shards: rank r holds tokens [r S/W, (r+1) S/W).
 
     q (batch, seqlen_local, nheads, headdim), k, v (batch, seqlen_local, nheads_k, headdim): this
     rank's shard (``contiguous_shard``). See the module docstring for options and results.
     """
     return _ring_dense("ring_flash_attn_func", q, k, v, False, dropout_p, softmax_scale, causal, window_size,
-                       alibi_slopes, deterministic, return_attn_probs, group, softcap)
+                       alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink)
 
 
 def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
-                                  softcap=0.0):
+                                  softcap=0.0, learnable_sink=None):
     """``ring_flash_attn_func`` with kv (batch, seqlen_local, 2, nheads_k, headdim)."""
     k, v = _unpack("ring_flash_attn_kvpacked_func", kv, 2, 5)
     return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                                return_attn_probs, group, softcap=softcap)
+                                return_attn_probs, group, softcap=softcap, learnable_sink=learnable_sink)
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
-                                   softcap=0.0):
+                                   softcap=0.0, learnable_sink=None):
     """``ring_flash_attn_func`` with qkv (batch, seqlen_local, 3, nheads, headdim)."""
     q, k, v = _unpack("ring_flash_attn_qkvpacked_func", qkv, 3, 5)
     return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                                return_attn_probs, group, softcap=softcap)
+                                return_attn_probs, group, softcap=softcap, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                 alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
-                                softcap=0.0):
+                                softcap=0.0, learnable_sink=None):
     """Attention over a sequence cut in ZIGZAG shards: rank r holds chunks r and 2W-1-r of 2W.
 
     q (batch, seqlen_local, nheads, headdim), k, v (batch, seqlen_local, nheads_k, headdim): this
     rank's shard (``zigzag_shard``; seqlen_local even). See the module docstring.
     """
     return _ring_dense("zigzag_ring_flash_attn_func", q, k, v, True, dropout_p, softmax_scale, causal, window_size,
-                       alibi_slopes, deterministic, return_attn_probs, group, softcap)
+                       alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink)
 
 
 def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                          window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                         return_attn_probs=False, group=None, *, softcap=0.0):
+                                         return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """``zigzag_ring_flash_attn_func`` with kv (batch, seqlen_local, 2, nheads_k, headdim)."""
     k, v = _unpack("zigzag_ring_flash_attn_kvpacked_func", kv, 2, 5)
     return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                                       deterministic, return_attn_probs, group, softcap=softcap)
+                                       deterministic, return_attn_probs, group,
+                                       softcap=softcap, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                           window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                          return_attn_probs=False, group=None, *, softcap=0.0):
+                                          return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """``zigzag_ring_flash_attn_func`` with qkv (batch, seqlen_local, 3, nheads, headdim)."""
     q, k, v = _unpack("zigzag_ring_flash_attn_qkvpacked_func", qkv, 3, 5)
     return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                                       deterministic, return_attn_probs, group, softcap=softcap)
+                                       deterministic, return_attn_probs, group,
+                                       softcap=softcap, learnable_sink=learnable_sink)
 
 
 # ----------------------------------------------------------------------------- public: packed, zigzag
 
 
 def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal, window_size,
-                 alibi_slopes, deterministic, return_attn_probs, group, softcap):
+                 alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink):
     V.check_qkv(q, k, v, packed=True)
     if k.shape[0] != q.shape[0]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
@@ -268,15 +279,16 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
     params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    sink = V.check_sink(learnable_sink, q, q.shape[1])
     plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, plan, group, deterministic)
+    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                 window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                return_attn_probs=False, group=None, *, softcap=0.0):
+                                return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """Attention over packed documents, each cut in W contiguous chunks (``contiguous_shard_varlen``).
 
     q (total_local, nheads, headdim), k, v (total_local, nheads_k, headdim): document after
@@ -286,32 +298,32 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     """
     return _ring_varlen("ring_flash_attn_varlen_func", q, k, v, cu_seqlens, max_seqlen, False, dropout_p,
                         softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                        softcap)
+                        softcap, learnable_sink)
 
 
 def ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                          causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                         return_attn_probs=False, group=None, *, softcap=0.0):
+                                         return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """``ring_flash_attn_varlen_func`` with kv (total_local, 2, nheads_k, headdim)."""
     k, v = _unpack("ring_flash_attn_varlen_kvpacked_func", kv, 2, 4)
     return ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                        window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                       softcap=softcap)
+                                       softcap=softcap, learnable_sink=learnable_sink)
 
 
 def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                           causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                          return_attn_probs=False, group=None, *, softcap=0.0):
+                                          return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """``ring_flash_attn_varlen_func`` with qkv (total_local, 3, nheads, headdim)."""
     q, k, v = _unpack("ring_flash_attn_varlen_qkvpacked_func", qkv, 3, 4)
     return ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                        window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                       softcap=softcap)
+                                       softcap=softcap, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                        causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                       return_attn_probs=False, group=None, *, softcap=0.0):
+                                       return_attn_probs=False, group=None, *, softcap=0.0, learnable_sink=None):
     """Attention over packed documents, each zigzag-cut across the ranks (``zigzag_shard_varlen``).
 
     q (total_local, nheads, headdim), k, v (total_local, nheads_k, headdim); ``cu_seqlens``
@@ -321,26 +333,26 @@ def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_
     """
     return _ring_varlen("zigzag_ring_flash_attn_varlen_func", q, k, v, cu_seqlens, max_seqlen, True, dropout_p,
                         softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                        softcap)
+                        softcap, learnable_sink)
 
 
 def zigzag_ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                                 causal=False, window_size=(-1, -1), alibi_slopes=None,
                                                 deterministic=False, return_attn_probs=False, group=None, *,
-                                                softcap=0.0):
+                                                softcap=0.0, learnable_sink=None):
     """``zigzag_ring_flash_attn_varlen_func`` with kv (total_local, 2, nheads_k, headdim)."""
     k, v = _unpack("zigzag_ring_flash_attn_varlen_kvpacked_func", kv, 2, 4)
     return zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                               window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                              softcap=softcap)
+                                              softcap=softcap, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                                  causal=False, window_size=(-1, -1), alibi_slopes=None,
                                                  deterministic=False, return_attn_probs=False, group=None, *,
-                                                 softcap=0.0):
+                                                 softcap=0.0, learnable_sink=None):
     """``zigzag_ring_flash_attn_varlen_func`` with qkv (total_local, 3, nheads, headdim)."""
     q, k, v = _unpack("zigzag_ring_flash_attn_varlen_qkvpacked_func", qkv, 3, 4)
     return zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                               window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                              softcap=softcap)
+                                              softcap=softcap, learnable_sink=learnable_sink)
