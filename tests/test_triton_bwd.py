@@ -236,3 +236,17 @@ def test_gpu_deterministic_gradients_20_runs():
         if first is None:
             first = grads
         assert all(torch.equal(a, b) for a, b in zip(first, grads))
+
+
+def test_dq_autotuner_skips_the_config_that_crashed(monkeypatch):
+    """On the GPU the dq kernel's (128 rows, 32-key tiles, 4 warps) config made an illegal memory
+    access (hdim 64, GQA 8:1, causal, 8k); the autotuner must not try it at head dims up to 128,
+    while the dK/dV kernel keeps its own (128 keys, 32 rows, 4 warps), which ran clean."""
+    from tileattn.gpu import backward as B
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's config lists (nothing is launched)
+    for d in (64, 128):
+        dq = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in B._configs("dq", (d,), 2)]
+        assert dq and (128, 32, 4) not in dq
+    dkdv = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_M"], c.num_warps) for c in B._configs("dkdv", (64,), 2)]
+    assert (128, 32, 4) in dkdv

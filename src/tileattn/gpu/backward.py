@@ -64,6 +64,13 @@ def _configs(kind: str, head_dims=(64, 128, 256), elem_size: int | None = None) 
     configs = []
     for d in head_dims:
         shapes = _shapes(d)
+        if kind == "dq" and d <= 128 and not interpreting():
+            # dq with 128 query rows, 32-key tiles and 4 warps made an illegal memory access on the
+            # H200 (hdim 64, 64/8 heads, causal, 2 x 8k, in the autotuner's timing run; each other
+            # config ran clean: docs/perf-notes.md, 2026-11-30). Until the cause is found the
+            # autotuner never tries it (hdim 256's first choice, 64 rows, is kept: it runs in every
+            # GPU test at that head dim).
+            shapes = [sh for sh in shapes if not (sh[0] == 128 and sh[1] == 32 and sh[2] == 4)]
         if elem_size is not None:
             fitting = [sh for sh in shapes if _smem_estimate(sh[0], sh[1], sh[3], d, elem_size) <= SMEM_LIMIT]
             shapes = fitting or [min(shapes, key=lambda sh: _smem_estimate(sh[0], sh[1], sh[3], d, elem_size))]
