@@ -12,6 +12,7 @@ Names, arguments and meanings follow ring-flash-attention:
 each with ``_kvpacked`` / ``_qkvpacked`` forms, and the helpers that cut and reassemble shards.
 """
 
+from . import llama3, ring, shard
 from .llama3 import (
     llama3_flash_attn_varlen_func,
     llama3_flash_attn_varlen_kvpacked_func,
@@ -43,14 +44,4 @@ from .shard import (
     zigzag_unshard_varlen,
 )
 
-__all__ = [
-    "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
-    "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
-    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func",
-    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
-    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
-    "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
-    "llama3_flash_attn_varlen_qkvpacked_func", "llama3_flash_attn_prepare_cu_seqlens",
-    "zigzag_shard", "zigzag_unshard", "contiguous_shard", "contiguous_unshard",
-    "contiguous_shard_varlen", "contiguous_unshard_varlen", "zigzag_shard_varlen", "zigzag_unshard_varlen",
-]
+__all__ = ring.__all__ + llama3.__all__ + shard.__all__

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..contract import AttnParams
+from ..ops import _validate as V
 from ..ops.backend import backend_for
 from ..ops.merge import merge_into
 from .comm import Peers
@@ -204,6 +205,14 @@ def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
     if sink is not None:  # the sink as a state (out 0, lse sink_h), once per row
         merge_into(out, lse, out.new_zeros(()).expand(out.shape), sink.float()[:, None].expand(lse.shape))
     return out.to(q.dtype), lse
+
+
+def backward_inputs(dout, dlse, out):
+    """The gradients an autograd backward receives, as the kernels take them: a missing ``dout``
+    (only the LSE was used) as zeros, the last dim contiguous; ``dlse`` contiguous (e.g. the zero
+    strides of ``lse.sum()``'s gradient) or None."""
+    dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
+    return dout, None if dlse is None else dlse.contiguous()
 
 
 def sink_grad(dout, out, lse, dlse, sink):

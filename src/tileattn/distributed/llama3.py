@@ -42,7 +42,7 @@ from ..contract import AttnParams
 from ..ops import _validate as V
 from ..ops.backend import backend_for
 from .comm import Peers
-from .engine import sink_grad
+from .engine import backward_inputs, sink_grad
 from .ring import ring_options
 
 __all__ = ["llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
@@ -317,8 +317,7 @@ class Llama3FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
-        dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
+        dout, dlse = backward_inputs(dout, dlse, out)
         dq, dk, dv = llama3_bwd(dout, q, k, v, out, lse, dlse, ctx.plan, ctx.kept, Peers(ctx.group),
                                 ctx.deterministic, ctx.alibi)
         dsink = None if sink is None else sink_grad(dout, out, lse, dlse, sink)

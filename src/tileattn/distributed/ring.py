@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..ops import _validate as V
 from .comm import Peers
-from .engine import Call, Plan, ring_bwd, ring_fwd, sink_grad
+from .engine import Call, Plan, backward_inputs, ring_bwd, ring_fwd, sink_grad
 from .plan import dense_pairs, fast_blocks, is_fast
 
 __all__ = [
@@ -127,8 +127,7 @@ class RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else V.last_dim_contiguous(dout)
-        dlse = None if dlse is None else dlse.contiguous()  # e.g. the zero strides of lse.sum()'s gradient
+        dout, dlse = backward_inputs(dout, dlse, out)
         dq, dk, dv = ring_bwd(dout, q, k, v, out, lse, ctx.plan, Peers(ctx.group), ctx.deterministic, dlse)
         dsink = None if sink is None else sink_grad(dout, out, lse, dlse, sink)
         return dq, dk, dv, dsink, None, None, None
