@@ -73,12 +73,13 @@ OPTIONS = {
     "causal": dict(causal=True),
     "window softcap alibi": dict(causal=True, window_size=(11, 0), softcap=8.0, alibi=True),
     "noncausal": dict(causal=False),
+    "sinks": dict(causal=True, sinks=True),
 }
 
 
 @pytest.mark.parametrize("name,num_splits", [("causal", None), ("causal", 1), ("causal", 3),
                                               ("window softcap alibi", None), ("window softcap alibi", 2),
-                                              ("noncausal", None)])
+                                              ("noncausal", None), ("sinks", 1), ("sinks", 3)])
 def test_mixed_batch_in_one_call(device, name, num_splits):
     """flash_attn_varlen_func as vLLM calls it: cu_seqlens_k None, seqused_k, block_table, out=
     a strided view; each sequence equals its own dense attention."""
@@ -88,6 +89,7 @@ def test_mixed_batch_in_one_call(device, name, num_splits):
     batch = len(MIXED_Q)
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = torch.rand(batch, nheads, generator=gen) * 0.3
+    sinks = torch.randn(nheads, generator=gen) if opts.pop("sinks", False) else None  # once per row, split or not
     q = torch.randn(sum(MIXED_Q), nheads, d, generator=gen).to(dtype)
     keys = [torch.randn(n, nheads_k, d, generator=gen).to(dtype) for n in MIXED_K]
     values = [torch.randn(n, nheads_k, d, generator=gen).to(dtype) for n in MIXED_K]
@@ -101,10 +103,11 @@ def test_mixed_batch_in_one_call(device, name, num_splits):
         q.to(device), k_pool.to(device), v_pool.to(device), cu(MIXED_Q).to(device), None, max(MIXED_Q),
         max(MIXED_K), seqused_k=used.to(device), block_table=table.to(device), out=out,
         alibi_slopes=None if slopes is None else slopes.to(device), num_splits=num_splits,
-        return_softmax_lse=True, **opts)
+        learnable_sink=None if sinks is None else sinks.to(device), return_softmax_lse=True, **opts)
     assert res is out and out.data_ptr() == big.data_ptr()
     assert torch.isnan(big[..., 1::2]).all(), "out= wrote outside its view"
-    ref_o, ref_l, plain_o, plain_l = expected(q, keys, values, MIXED_Q, {**opts, "alibi_slopes": slopes}, dtype)
+    ref_o, ref_l, plain_o, plain_l = expected(q, keys, values, MIXED_Q,
+                                              {**opts, "alibi_slopes": slopes, "learnable_sink": sinks}, dtype)
     assert_within("out", out.cpu(), plain_o, ref_o)
     assert_within("lse", lse.cpu(), plain_l, ref_l)
 
