@@ -436,7 +436,10 @@ def _within(x: torch.Tensor, lo, hi) -> torch.Tensor:
 
 def vouch(t: torch.Tensor, facts: tuple) -> torch.Tensor:
     """Mark ``t`` as holding values its producer knows on the host (``PagedKVCache``): ``facts``
-    stand in for reading them, as long as ``t`` is not modified (its version counter)."""
+    stand in for reading them, as long as ``t`` is not modified (its version counter). An
+    inference tensor has no version counter to tell a later change: its values get checked."""
+    if t.is_inference():
+        return t
     t._tileattn_facts = (t._version, facts)
     return t
 
