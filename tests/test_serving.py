@@ -240,6 +240,23 @@ def test_fp8_append_kernel_stores_what_quantize_gives(rotary):
         assert torch.isnan(k_cache.cpu()[b, n + new:].float()).all(), "wrote past the new tokens"
 
 
+@pytest.mark.gpu
+def test_fp8_append_kernel_keeps_nan():
+    """A NaN key is stored as e4m3's NaN, as quantize stores it, not saturated to +-448 (GPU only:
+    the interpreter's fp8 conversion has no NaN)."""
+    from tileattn import gpu
+
+    k = torch.randn(1, 2, 1, 16, device="cuda").to(torch.bfloat16)
+    k[0, 1, 0, 3] = float("nan")
+    k_cache, v_cache = (torch.zeros(1, 4, 1, 16, device="cuda").to(FP8_DTYPE) for _ in range(2))
+    descale = torch.full((1, 1), 0.01, device="cuda")
+    gpu.append_kv(k_cache, v_cache, k, k, torch.zeros(1, dtype=torch.int32, device="cuda"), k_descale=descale,
+                  v_descale=descale)
+    stored = k_cache[0, :2].float()
+    assert torch.isnan(stored[1, 0, 3]) and torch.isnan(stored).sum() == 1
+    assert torch.isnan(quantize(k, descale).float()[0, 1, 0, 3])
+
+
 def dequantised(stored, descale):
     return stored.double() * descale.double()[:, None, :, None]
 

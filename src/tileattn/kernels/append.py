@@ -54,17 +54,19 @@ def _quantized(x, Descale, idx, mask, IS_FP8: tl.constexpr):
     ``Descale[idx]``, saturated to +-448 and rounded to e4m3's grid (3 mantissa bits, steps of
     2^-9 below 2^-6; to nearest, ties to even) in fp32, so the store's conversion is exact
     whatever rounding it uses (the interpreter's truncates); else x unchanged."""
+    stored = x
     if IS_FP8:
         d = tl.load(Descale + idx, mask=mask, other=1.0)  # [BLOCK_H, 1]
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), d), -448.0), 448.0)  # [BLOCK_H, HEAD_DIM_PAD]
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), d), -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_H, HEAD_DIM_PAD]; NaN stays NaN
         e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # y's exponent, at least -6
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): e4m3's spacing at y
         t = tl.abs(y) * ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # |y| / step, exact
         r = tl.math.floor(t + 0.5)
         r = tl.where((r - t == 0.5) & ((r.to(tl.int32) & 1) != 0), r - 1.0, r)  # a tie goes to the even step
         sign = tl.where(y.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)  # y's sign, -0 included (-x is 0 - x)
-        return r * step * sign
-    return x
+        stored = r * step * sign
+    return stored
 
 
 @triton.jit(do_not_specialize=["seqlen_new"])
