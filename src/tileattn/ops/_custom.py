@@ -41,7 +41,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seq
          seqused_k: Optional[Tensor], block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
          learnable_sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
          window_left: int, window_right: int, softcap: float, dropout_p: float, dropout_seed: int, num_splits: int,
-         deterministic: bool, k_descale: Optional[Tensor], v_descale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+         deterministic: bool, k_descale: Optional[Tensor] = None,
+         v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     # ``deterministic`` is only read by the backward (saved in _setup_context).
     params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
     return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -67,7 +68,7 @@ def _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seql
 @_fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink, max_seqlen_q,
               max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
-              deterministic, k_descale, v_descale):
+              deterministic, k_descale=None, v_descale=None):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     return out, lse
