@@ -47,7 +47,7 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 # tile loop's accumulators would take hundreds of bytes.
 GLUON_STACK_LIMIT = 128
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-        torch.int64: "*i64"}
+        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 class Recorder:
@@ -147,6 +147,19 @@ def forward_cases():
                       t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
                       dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
                            max_seqlen_q=2, max_seqlen_k=512, num_splits=splits, learnable_sink=sink)))
+    # serving: a mixed batch over a paged pool in one call (decode tile split, prefill tile not,
+    # the combine skipping the long rows), and an FP8 pool
+    pool = t(64, 16, 8, 128)
+    table = torch.randperm(64, generator=g)[:48].view(4, 12).to(torch.int32)
+    cases.append(("mixed batch paged varlen GQA split", t(69, 32, 128), pool, pool.clone(), dict(
+        params=AttnParams(128**-0.5, -1, 0), cu_seqlens_q=torch.tensor([0, 1, 5, 69, 69], dtype=torch.int32),
+        block_table=table, seqused_k=torch.tensor([100, 40, 190, 7], dtype=torch.int32), max_seqlen_q=64,
+        max_seqlen_k=192, num_splits=3)))
+    fp8 = pool.to(torch.float8_e4m3fn)
+    cases.append(("fp8 paged decode GQA split", t(4, 1, 32, 128), fp8, fp8.clone(), dict(
+        params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 192], dtype=torch.int32),
+        block_table=table, max_seqlen_q=1, max_seqlen_k=192, num_splits=4, k_descale=torch.rand(4, 8),
+        v_descale=torch.rand(4, 8))))
     return cases
 
 
@@ -199,6 +212,9 @@ def append_cases():
     return [("append contiguous", (cache, cache.clone(), k, v, lens), dict(seqused_out=lens.clone())),
             ("append paged rotary interleaved", (pool, pool.clone(), k, v, lens, table),
              dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=True, q=q)),
+            ("append paged fp8 rotary", (pool.to(torch.float8_e4m3fn), pool.to(torch.float8_e4m3fn), k, v, lens, table),
+             dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), q=q, k_descale=torch.rand(4, 8),
+                  v_descale=torch.rand(4, 8))),
             ("append contiguous rotary neox fp32", (cache.float(), cache.float(), k.float(), v.float(), lens),
              dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=False, q=q.float(),
                   q_per_token=False))]

@@ -92,3 +92,13 @@ def test_host_launch_times_triton_and_direct_launches():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     assert len(rows) == 3 and all(float(r[-1]) > 0 for r in rows), proc.stdout
+
+
+def test_serving_benchmark_outputs_agree(tmp_path):
+    """benchmarks/serving.py --smoke: the one mixed call equals the separate calls, cascade the plain
+    paged call (fp32 on the CPU), the FP8 call the bf16 call on the dequantised cache."""
+    rows = run_smoke("serving.py", tmp_path)
+    checked = {(r["scenario"], r["impl"]): float(r["err"]) for r in rows if r.get("err")}
+    assert set(checked) >= {("mixed", "one call"), ("fp8", "paged fp8"), ("prefix", "cascade")}, checked
+    assert checked[("mixed", "one call")] < FP32_AGREEMENT and checked[("prefix", "cascade")] < FP32_AGREEMENT, checked
+    assert checked[("fp8", "paged fp8")] < 2e-2, checked  # bf16 outputs: a few bf16 units apart

@@ -95,6 +95,30 @@ def test_chunked_prefill_with_causal_alignment(device):
     torch.testing.assert_close(out, full[:, 11:], rtol=1e-5, atol=1e-5)
 
 
+def test_paged_kv_cache_under_inference_mode(device):
+    """Under torch.inference_mode the cache's tensors (no version counter to vouch by) are checked
+    like any others: a decoding step runs, and a block table that names a block past the pool
+    still raises."""
+    gen = torch.Generator().manual_seed(25)
+    cache = tileattn.PagedKVCache(1, num_blocks=4, block_size=4, nheads_k=1, headdim=16, dtype=torch.float32,
+                                  device=device)
+    q = torch.randn(1, 1, 2, 16, generator=gen).to(device)
+    with torch.inference_mode():
+        seq = cache.allocate()
+        cache.reserve([seq], 6)
+        cache.advance([seq], 5)
+        table, lens = cache.block_table([seq]), cache.seqlens([seq])
+        out = tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], cache_seqlens=lens,
+                                               block_table=table, causal=True)
+        keys = cache.k_cache[0][table[0].long()].flatten(0, 1)[None, :5]
+        values = cache.v_cache[0][table[0].long()].flatten(0, 1)[None, :5]
+        torch.testing.assert_close(out, tileattn.flash_attn_func(q, keys, values), rtol=1e-5, atol=1e-5)
+        table[0, 1] = 9
+        with pytest.raises(IndexError, match="block_table"):
+            tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], cache_seqlens=lens,
+                                             block_table=table, causal=True)
+
+
 def test_paged_kv_cache_helper(device):
     """Prefill packed prompts into PagedKVCache, decode with it, free and reuse blocks."""
     gen = torch.Generator().manual_seed(24)

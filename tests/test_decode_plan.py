@@ -54,6 +54,30 @@ def test_plan_runs_each_layer_as_flash_attn_with_kvcache(device, paged, rotary):
         assert not got[0].isnan().any()
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_plan_over_an_fp8_cache(device, paged):
+    """An FP8 cache: the plan quantises each layer's new keys with the step's descales and reads
+    the cache as flash_attn_with_kvcache does, bit for bit."""
+    gen = torch.Generator().manual_seed(83)
+    lens, table, layers = _layers(gen, 2, 3, 32, paged, device, torch.bfloat16)
+    descales = [(0.005 + 0.01 * torch.rand(3, 2, generator=gen)).to(device) for _ in range(2)]
+    fp8 = [[q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), kn, vn]  # unused slots stay NaN
+           for q, k, v, kn, vn in layers]
+    opts = dict(causal=True, k_descale=descales[0], v_descale=descales[1])
+    plan = tileattn.DecodePlan(*fp8[0][:3], lens, table, seqlen_new=1, **opts)
+    for q, k_cache, v_cache, k_new, v_new in fp8:
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                **opts)
+        got = plan.run(q, k_cache, v_cache, k=k_new, v=v_new)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+        assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+        assert not got.isnan().any()
+    with pytest.raises(ValueError, match="needs k_descale"):
+        tileattn.DecodePlan(*fp8[0][:3], lens, table, seqlen_new=1, causal=True)
+
+
 def test_plan_rejects_a_layer_it_was_not_made_for():
     gen = torch.Generator().manual_seed(82)
     lens, _, layers = _layers(gen, 1, 2, 32, False, "cpu", torch.float32)

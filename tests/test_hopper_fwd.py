@@ -151,3 +151,18 @@ def test_hopper_fp32_output():
     torch.cuda.synchronize()
     assert torch.equal(out32.to(torch.bfloat16), out16)
     assert not torch.equal(out32, out16.float()), "the fp32 output was rounded to bf16"
+
+
+def test_hopper_refuses_the_serving_calls():
+    """What the Hopper kernel cannot read goes to the portable kernel: an FP8 cache (even dense
+    and without seqused_k), a mixed batch over a paged cache, packed keys limited by seqused_k."""
+    params = AttnParams(128**-0.5, -1, 0)
+    q = torch.randn(1, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k8 = torch.randn(1, 256, 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    assert hopper_fwd_reason(q, k8, k8, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+                             num_splits=0) is not None
+    packed = q[0]
+    used = torch.tensor([256], dtype=torch.int32, device="cuda")
+    for paged in (False, True):
+        assert hopper_fwd_reason(packed, packed[:, :2], packed[:, :2], params, alibi_slopes=None, varlen=True,
+                                 paged=paged, seqused_k=used, num_splits=0, max_seqlen_q=256) is not None

@@ -41,6 +41,25 @@ def test_a_short_cpu_run_serves_every_request_and_checks_out(serve, capsys):
     assert gap <= 1e-4, out
 
 
+@pytest.mark.parametrize("options, gap", [(["--mixed"], 1e-4), (["--shared-prefix", "19"], 1e-4),
+                                          (["--mixed", "--fp8-cache"], 0.5),
+                                          (["--shared-prefix", "9", "--fp8-cache"], 0.5)])
+def test_serving_modes_check_out(serve, capsys, options, gap):
+    """--mixed (one varlen call per layer over the paged cache), --shared-prefix (cascade) and
+    --fp8-cache on the CPU: every greedy token is the argmax of a full recompute (fp32: up to
+    rounding; an FP8 cache keeps 3 mantissa bits of the keys and values, and its queries are
+    bf16, so its logits may move by a few hundredths)."""
+    serve.main(["--device", "cpu", "--requests", "3", "--slots", "2", "--max-new", "4", *options])
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^  request \d+: +\d+ prompt -> +\d+ new tokens: ", out, re.M)) == 3, out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    free, total = map(int, re.search(r"blocks free after serving: (\d+) of (\d+)", out).groups())
+    prefix_blocks = -(-int(options[1]) // 16) if "--shared-prefix" in options else 0
+    assert free == total - 2 - prefix_blocks, out  # the slots' scratch blocks and the shared prefix stay
+    found = float(re.search(r"largest logit gap of a greedy token (\S+)", out).group(1))
+    assert found <= gap, out
+
+
 def test_every_option_has_help(serve):
     actions = [a for a in serve.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
     assert actions and all(a.help and a.help != argparse.SUPPRESS for a in actions), \
@@ -56,6 +75,8 @@ BAD = [
     (["--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu or cuda"),
     (["--device", "meta"], "argument --device: 'meta': use cpu or cuda"),
     (["--device", "cuda:99"], "argument --device: 'cuda:99': "),
+    (["--shared-prefix", "-3"], "--shared-prefix must be >= 0, got -3"),
+    (["--mixed", "--shared-prefix", "5"], "--shared-prefix does not combine with --mixed"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["--device", "cuda"], "argument --device: 'cuda': no CUDA GPU is available here"))

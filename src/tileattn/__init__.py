@@ -7,6 +7,7 @@ holds the float64 NumPy ground truth.
 """
 
 from .ops.attention import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .ops.cascade import cascade_attn_with_kvcache
 from .ops.decode_plan import DecodePlan
 from .ops.kvcache import flash_attn_with_kvcache
 from .ops.merge import merge_many, merge_sink, merge_states
@@ -23,6 +24,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
+    "cascade_attn_with_kvcache",
     "DecodePlan",
     "merge_states",
     "merge_many",

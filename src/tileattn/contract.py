@@ -15,7 +15,8 @@ its outputs, it writes into the ones it is given, so tests can poison them with 
 
     attn_fwd(q, k, v, out, lse, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None) -> None
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None,
+             k_descale=None, v_descale=None) -> None
 
     attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
@@ -33,6 +34,10 @@ Layouts (last dim contiguous; other strides arbitrary, so views work):
   ``pool[block_table[b, p // block_size], p % block_size]``. ``seqused_k`` is then required.
 * ``seqused_k`` (B,) int32, when given, is the number of keys of sequence b (a KV cache
   filled up to there); otherwise Sk (dense) or cu_seqlens_k[b+1] - cu_seqlens_k[b].
+* FP8 cache: k, v in float8_e4m3fn (q fp16 or bf16) with ``k_descale``/``v_descale`` contiguous
+  (B, Hk) fp32; the keys are ``k.float() * k_descale[b, h]``, the values likewise.
+* ``out`` may have any strides (last dim contiguous) and, for partial states merged later,
+  dtype fp32 whatever q's.
 * ``alibi_slopes``: None or (B, H) fp32 (the ops layer expands (H,) with a zero stride).
 * H % Hk == 0: query head h reads key/value head h // (H // Hk). D, Dv <= 256 (Triton); on the
   CPU D <= 576 and Dv <= 512.

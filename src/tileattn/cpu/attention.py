@@ -337,21 +337,28 @@ def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None,
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None, k_descale=None, v_descale=None,
              block_m=BLOCK_M, block_n=BLOCK_N, tile_elems=TILE_ELEMS) -> None:
     """Attention forward into ``out`` and ``lse`` (layouts: ``tileattn.contract``).
 
     ``num_splits`` > 1 runs the recurrence on that many key ranges and merges the partial
     states with ``tileattn.ops.merge.merge_many``; 0 means 1. ``block_m``, ``block_n`` and
-    ``tile_elems`` size the tiles; any values give the same answer up to rounding.
+    ``tile_elems`` size the tiles; any values give the same answer up to rounding. The keys and
+    values of an FP8 cache (``k_descale``/``v_descale`` given) are dequantised per sequence.
     """
     assert num_splits >= 0, "inputs are validated by tileattn.ops"
     num_splits = max(1, num_splits)
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    acc = _acc_dtype(q.dtype)
+
+    def keys(x, descale, bs):  # (nb, Sk, Hk, D): stored x descale[b, h] for an FP8 cache
+        x = batch.keys(x, bs)
+        return x if descale is None else x.to(acc) * descale[bs].to(acc)[:, None, :, None]
+
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
-        _fwd_group(batch.rows(q, bs), batch.keys(k, bs), batch.keys(v, bs), batch.rows(out, bs),
+        _fwd_group(batch.rows(q, bs), keys(k, k_descale, bs), keys(v, v_descale, bs), batch.rows(out, bs),
                    batch.lse_rows(lse, bs), slopes, learnable_sink, bs.start, params, num_splits, block_m, block_n,
                    tile_elems)
 

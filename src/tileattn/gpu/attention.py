@@ -13,6 +13,11 @@ Choices made here:
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
 * ``num_splits = 0``: split the keys when batch x heads x query blocks cannot fill the SMs
   (``_auto_splits``); the partial states are merged by ``kernels.combine``;
+* a packed batch over a KV cache (``seqused_k``) mixing sequences of few new tokens (decoding,
+  speculative rows) with long ones (prefill chunks): two launches into the same outputs, the
+  short sequences with the decode tile (split when asked) and the long ones with the prefill
+  tile (never split; the combine skips their rows, marked in split 0's lse);
+* an FP8 cache (``k_descale``/``v_descale``): the same kernel with ``IS_FP8``;
 * on Hopper, the prefill calls (dense or varlen) the Gluon kernel covers go to ``gpu/hopper.py`` instead.
 """
 
@@ -26,7 +31,7 @@ import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from ..kernels.combine import _combine_kernel
+from ..kernels.combine import UNSPLIT_MARK, _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
@@ -146,7 +151,8 @@ def clear_plans() -> None:
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None) -> None:
+             seqused_k=None, block_table=None, num_splits=1, learnable_sink=None, k_descale=None,
+             v_descale=None) -> None:
     """Attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (see ``tileattn.contract``).
 
     ``out[..., i, h, :] = sum_j softmax_j(s_ij) v_j`` (dropout-scaled when asked) and
@@ -166,20 +172,20 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink)
         return
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
+                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
     plan = plan_for(_PLANS, key, FwdPlan)
     plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-             learnable_sink=learnable_sink)
+             learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
 
 
 def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1,
-             learnable_sink=None) -> "FwdPlan":
+             learnable_sink=None, k_descale=None) -> "FwdPlan":
     """The plan of the portable kernel for these arguments (the Hopper kernel is never planned:
     it takes no decoding shapes), for a caller that launches it many times itself
     (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink)
+                    max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
     return plan_for(_PLANS, key, FwdPlan)
 
 
@@ -189,11 +195,12 @@ def _stride_class(x: int) -> int:
 
 
 def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              seqused_k, block_table, num_splits, learnable_sink=None) -> tuple:
+              seqused_k, block_table, num_splits, learnable_sink=None, k_descale=None) -> tuple:
     """Everything ``FwdPlan`` reads: the launch depends on the call through this tuple only.
 
     Of the optional tensors: alibi's strides, the batch of cu_seqlens, the block table's width
-    and row stride, and each one's dtype (the kernel reads the rest by the layout contract).
+    and row stride, and each one's dtype (the kernel reads the rest by the layout contract; an
+    FP8 cache's descales are contiguous (batch, nheads_k) fp32, named by one entry for both).
     A dense call with a fixed split count (``flash_attn_func``, as transformers calls it with a
     KV cache that grows every step) names its keys' length only by ``length_bucket`` and their
     strides only by how Triton classifies them (``_stride_class``): its plan takes the rest per
@@ -214,6 +221,7 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if seqused_k is None else seqused_k.dtype,
             None if block_table is None else (block_table.shape[1], block_table.stride(0), block_table.dtype),
             None if learnable_sink is None else learnable_sink.dtype,
+            None if k_descale is None else k_descale.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0, params.dropout_p > 0)
 
@@ -224,12 +232,17 @@ class FwdPlan:
     Built from a ``_plan_key`` tuple alone, so every call with that key launches the same
     compiled kernels (``_launch.Launch``) with the same integer arguments; ``run`` passes the
     tensors and the per-call scalars (scale, softcap, window sizes, dropout seed).
+
+    A mixed batch (packed queries over a KV cache, some sequences with more rows than the decode
+    tile holds) is two launches: this plan's serves the sequences of at most
+    ``DECODE_MAX_ROWS // group`` queries, and ``self.long``, a plan of its own made from the same
+    key with ``min_seqlen_q``, the longer ones, unsplit, straight into the outputs.
     """
 
-    def __init__(self, key: tuple):
+    def __init__(self, key: tuple, min_seqlen_q: int = 0):
         (q_shape, q_stride, kv, o_stride, l_stride,
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
-         alibi, cu_q, cu_k, seqused, table, sink, max_seqlen_q, max_seqlen_k, num_splits,
+         alibi, cu_q, cu_k, seqused, table, sink, descale, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, has_softcap, has_dropout) = key
         self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
         if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
@@ -275,8 +288,13 @@ class FwdPlan:
         smem_dim = max(head_dim_pad, head_dim_v_pad)  # shared-memory estimates: the larger tile width
         elem_size = q_dtype.itemsize
 
-        pack_gqa = group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
-        max_rows = seqlen_q * group if pack_gqa else seqlen_q
+        short = DECODE_MAX_ROWS // group  # queries of the longest sequence the decode tile serves
+        mixed = varlen and seqused is not None and seqlen_q > short >= 1 and min_seqlen_q == 0
+        if min_seqlen_q:  # the long sequences of a mixed batch: never split
+            num_splits = 1
+        rows_q = short if mixed else seqlen_q  # queries of the longest sequence this launch serves
+        pack_gqa = group > 1 and rows_q <= PACK_GQA_MAX_SEQLEN_Q
+        max_rows = rows_q * group if pack_gqa else rows_q
         heads_grid = nheads_k if pack_gqa else nheads
         decode = max_rows <= DECODE_MAX_ROWS
         block_m = max(16, next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
@@ -287,6 +305,8 @@ class FwdPlan:
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
         split_kv = num_splits > 1
         self.num_splits = num_splits
+        self.long = FwdPlan(key, min_seqlen_q=short + 1) if mixed else None
+        self.marked = split_kv and mixed  # the long sequences' rows, which the combine skips
 
         self.workspace_shapes = None
         if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
@@ -311,13 +331,13 @@ class FwdPlan:
             stride_vb, stride_vs, stride_vh,
             *o_strides, *l_strides,
             alibi[0][0] if alibi else 0, alibi[0][1] if alibi else 0, table[1] if paged else 0,
-            nheads, seqlen_q, seqlen_k, max_rows, num_splits,
+            nheads, seqlen_q, seqlen_k, max_rows, min_seqlen_q, num_splits,
         )
         flags = dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
             HEAD_DIM_V_PAD=head_dim_v_pad, PAGE_SIZE=page_size,
             IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused is not None,
-            PACK_GQA=pack_gqa, SPLIT_KV=split_kv,
+            PACK_GQA=pack_gqa, SPLIT_KV=split_kv, IS_FP8=descale is not None,
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
             DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -333,7 +353,8 @@ class FwdPlan:
         # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``)
         self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype,
                             None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k,
-                            seqused, None if table is None else table[-1]), int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
+                            seqused, None if table is None else table[-1], descale, descale),
+                           int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
         self.tuned = self.tune_key = None
         if decode:
             self.fwd = launch_for(_attn_fwd_kernel, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
@@ -349,14 +370,18 @@ class FwdPlan:
         self.combine = None
         if split_kv:
             self.combine, self.combine_grid, self.combine_ints = _combine_launch(
-                self.workspace_shapes, varlen, o_stride, l_stride, head_dim_v, head_dim_v_pad, o_dtype, l_dtype, sink)
+                self.workspace_shapes, varlen, o_stride, l_stride, head_dim_v, head_dim_v_pad, o_dtype, l_dtype, sink,
+                self.marked)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-            block_table, workspace: tuple | None = None, learnable_sink=None) -> None:
-        """Launch the plan on one call's tensors (they must have the plan's key, sinks included).
-        ``workspace``: the split partials' buffers from ``new_workspace``, else they are allocated here."""
+            block_table, workspace: tuple | None = None, learnable_sink=None, k_descale=None, v_descale=None) -> None:
+        """Launch the plan on one call's tensors (they must have the plan's key, sinks and descales
+        included). ``workspace``: the split partials' buffers from ``new_workspace``, else they are
+        allocated here."""
         if self.workspace_shapes is not None:
             o_dst, l_dst = workspace or self.new_workspace(q.device)
+            if self.marked:  # rows no split of this launch writes keep the mark
+                l_dst[0].view(torch.int32).fill_(UNSPLIT_MARK.value)
         else:
             o_dst, l_dst = out, lse
         dropout_p = params.dropout_p
@@ -365,7 +390,7 @@ class FwdPlan:
             ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
             ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
         args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                block_table, *ints,
+                block_table, k_descale, v_descale, *ints,
                 float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
                 params.window_right, params.dropout_seed, keep_threshold(dropout_p),
                 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
@@ -373,6 +398,9 @@ class FwdPlan:
             self.fwd(self.grid, *args)
         else:
             self._tuned_launch(args)
+        if self.long is not None:
+            self.long.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                          learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
         if self.combine is not None:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
 
@@ -401,9 +429,10 @@ class FwdPlan:
 
 
 def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
-                    l_dtype, sink) -> tuple[Launch, tuple, tuple]:
+                    l_dtype, sink, marked: bool) -> tuple[Launch, tuple, tuple]:
     """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their
-    dtype or None), into ``out``/``lse`` (varlen as B = 1): its launch, grid and integer arguments."""
+    dtype or None), into ``out``/``lse`` (varlen as B = 1), skipping the ``marked`` rows when
+    asked: its launch, grid and integer arguments."""
     (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
     po, pl = contiguous_strides(workspace[0]), contiguous_strides(l_shape)
     if varlen:
@@ -411,7 +440,8 @@ def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, 
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
     launch = launch_for(_combine_kernel,
                         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=sink is not None),
+                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=sink is not None,
+                             SKIP_MARKED=marked),
                         dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
                                             int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
     return launch, (batch * seqlen_q * nheads, 1, 1), ints

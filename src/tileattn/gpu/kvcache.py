@@ -27,13 +27,15 @@ def clear_plans() -> None:
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, rotary_cos=None, rotary_sin=None,
-              interleaved: bool = True, q=None, q_per_token: bool = True, seqused_out=None):
+              interleaved: bool = True, q=None, q_per_token: bool = True, seqused_out=None, k_descale=None,
+              v_descale=None):
     """Write k, v (batch, seqlen_new, nheads_k, headdim) into the cache at positions
     ``cache_seqlens[b] + i``, contiguous (batch, seqlen_cache, ...) or paged through
     ``block_table``. With ``rotary_cos``/``rotary_sin`` the keys are rotated at their positions
     first and, when ``q`` is given, q too (at the keys' positions if ``q_per_token``, else all at
     ``cache_seqlens[b]``): the rotated q is returned, a new tensor. ``seqused_out`` (batch,)
-    int32, when given, receives ``cache_seqlens + seqlen_new``.
+    int32, when given, receives ``cache_seqlens + seqlen_new``. A float8_e4m3fn cache takes
+    ``k_descale``/``v_descale`` contiguous (batch, nheads_k) fp32: k, v are quantised with them.
     """
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:
@@ -45,9 +47,11 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, rotary
            None if rotary_cos is None else (rotary_cos.shape[1], rotary_cos.stride(), rotary_cos.dtype,
                                             rotary_sin.stride(), rotary_sin.dtype, bool(interleaved)),
            None if q is None else (q.shape, q.stride(), q.dtype, bool(q_per_token)),
-           None if seqused_out is None else seqused_out.dtype)
+           None if seqused_out is None else seqused_out.dtype,
+           None if k_descale is None else k_descale.dtype)
     plan = plan_for(_PLANS, key, AppendPlan)
-    return plan.run(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, q, seqused_out)
+    return plan.run(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, q, seqused_out,
+                    k_descale, v_descale)
 
 
 class AppendPlan:
@@ -55,7 +59,7 @@ class AppendPlan:
 
     def __init__(self, key: tuple):
         (k_shape, k_stride, v_stride, kc_shape, kc_stride, vc_stride, k_dtype, v_dtype, kc_dtype, vc_dtype,
-         lens_dtype, _device, table, rotary, q, seqused) = key
+         lens_dtype, _device, table, rotary, q, seqused, descale) = key
         batch, seqlen_new, nheads_k, head_dim = k_shape
         paged = table is not None
         page_size = kc_shape[1]
@@ -79,18 +83,20 @@ class AppendPlan:
         flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h,
                      PAGE_SIZE=page_size if paged else 1, IS_PAGED=paged,
                      ROTARY_HALF=rotary[0] if rotary else 0, INTERLEAVED=bool(rotary and rotary[5]),
-                     ROTATE_Q=rotate_q, Q_PER_TOKEN=bool(rotate_q and q[3]), WRITE_SEQUSED=seqused is not None)
+                     ROTATE_Q=rotate_q, Q_PER_TOKEN=bool(rotate_q and q[3]), WRITE_SEQUSED=seqused is not None,
+                     IS_FP8=descale is not None)
         tensors = (k_dtype, v_dtype, kc_dtype, vc_dtype, lens_dtype, table and table[2], rotary and rotary[2],
-                   rotary and rotary[4], q and q[2], q and q[2], seqused)
+                   rotary and rotary[4], q and q[2], q and q[2], seqused, descale, descale)
         self.launch = launch_for(_append_kv_kernel, flags, dict(num_warps=4),
                                  (tensors, int_class(_append_kv_kernel, _FIRST_INT, self.ints)))
 
-    def run(self, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, q, seqused_out):
+    def run(self, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, q, seqused_out, k_descale=None,
+            v_descale=None):
         q_out = None if self.q_shape is None else torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
         if self.grid[0] == 0:  # nothing new: attention sees the cached keys
             if seqused_out is not None:
                 seqused_out.copy_(cache_seqlens)
         else:
             self.launch(self.grid, k, v, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
-                        q if q_out is not None else None, q_out, seqused_out, *self.ints)
+                        q if q_out is not None else None, q_out, seqused_out, k_descale, v_descale, *self.ints)
         return q_out

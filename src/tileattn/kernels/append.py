@@ -16,6 +16,9 @@ into ``QOut``. The first ``2 * ROTARY_HALF`` features are rotated pairwise by th
 pairing features (2j, 2j + 1) when ``INTERLEAVED`` (GPT-J) and (j, j + ROTARY_HALF) otherwise
 (GPT-NeoX), as ``tileattn.ops.rotary.apply_rotary`` does. With ``WRITE_SEQUSED`` the program of
 token 0 also writes ``L + seqlen_new`` (the keys attention then sees) to ``SequsedOut[b]``.
+With ``IS_FP8`` the cache is float8_e4m3fn and the (rotated) key and the value are stored as
+``clamp(x / descale[b, h], -448, 448)`` rounded to nearest, descales ``KDescale``/``VDescale``
+contiguous (batch, Hk) fp32 (``tileattn.ops.fp8.quantize``).
 """
 
 import triton
@@ -45,9 +48,30 @@ def _rotated(src, offs_d, mask, cos_row, sin_row, stride_cos_d, stride_sin_d,
     return tl.where(rot[None, :], y, x.to(tl.float32)).to(x.dtype)
 
 
+@triton.jit
+def _quantized(x, Descale, idx, mask, IS_FP8: tl.constexpr):
+    """x [BLOCK_H, HEAD_DIM_PAD] as it is stored: with ``IS_FP8`` divided by its head's descale
+    ``Descale[idx]``, saturated to +-448 and rounded to e4m3's grid (3 mantissa bits, steps of
+    2^-9 below 2^-6; to nearest, ties to even) in fp32, so the store's conversion is exact
+    whatever rounding it uses (the interpreter's truncates); else x unchanged."""
+    stored = x
+    if IS_FP8:
+        d = tl.load(Descale + idx, mask=mask, other=1.0)  # [BLOCK_H, 1]
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), d), -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_H, HEAD_DIM_PAD]; NaN stays NaN
+        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # y's exponent, at least -6
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): e4m3's spacing at y
+        t = tl.abs(y) * ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # |y| / step, exact
+        r = tl.math.floor(t + 0.5)
+        r = tl.where((r - t == 0.5) & ((r.to(tl.int32) & 1) != 0), r - 1.0, r)  # a tie goes to the even step
+        sign = tl.where(y.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)  # y's sign, -0 included (-x is 0 - x)
+        stored = r * step * sign
+    return stored
+
+
 @triton.jit(do_not_specialize=["seqlen_new"])
 def _append_kv_kernel(
-    KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, Cos, Sin, Q, QOut, SequsedOut,
+    KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, Cos, Sin, Q, QOut, SequsedOut, KDescale, VDescale,
     stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_tb, stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
@@ -55,7 +79,7 @@ def _append_kv_kernel(
     seqlen_new, capacity, nheads_k, nheads,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE_Q: tl.constexpr,
-    Q_PER_TOKEN: tl.constexpr, WRITE_SEQUSED: tl.constexpr,
+    Q_PER_TOKEN: tl.constexpr, WRITE_SEQUSED: tl.constexpr, IS_FP8: tl.constexpr = False,
 ):
     """Grid: axis 0 = (sequence b, new token i), axis 1 = blocks of ``BLOCK_H`` heads (KV heads,
     and query heads when ``ROTATE_Q``)."""
@@ -83,10 +107,16 @@ def _append_kv_kernel(
                        stride_cos_d, stride_sin_d, ROTARY_HALF, INTERLEAVED)
     else:
         b_k = tl.load(k_src + offs_d[None, :], mask=kv_mask)  # [BLOCK_H, HEAD_DIM_PAD]
-    tl.store(k_dst + offs_h[:, None].to(tl.int64) * stride_kch + offs_d[None, :], b_k, mask=kv_mask)
+    h_ok = offs_h[:, None] < nheads_k  # [BLOCK_H, 1]
+    descale_idx = b64 * nheads_k + offs_h[:, None]  # [BLOCK_H, 1] (b, KV head) of an FP8 cache's descales
+    b_k = _quantized(b_k, KDescale, descale_idx, h_ok, IS_FP8)
+    tl.store(k_dst + offs_h[:, None].to(tl.int64) * stride_kch + offs_d[None, :],
+             b_k.to(KCache.dtype.element_ty), mask=kv_mask)
     v_src = VNew + b64 * stride_vnb + i * stride_vns + offs_h[:, None].to(tl.int64) * stride_vnh
     b_v = tl.load(v_src + offs_d[None, :], mask=kv_mask)  # [BLOCK_H, HEAD_DIM_PAD]
-    tl.store(v_dst + offs_h[:, None].to(tl.int64) * stride_vch + offs_d[None, :], b_v, mask=kv_mask)
+    b_v = _quantized(b_v, VDescale, descale_idx, h_ok, IS_FP8)
+    tl.store(v_dst + offs_h[:, None].to(tl.int64) * stride_vch + offs_d[None, :],
+             b_v.to(VCache.dtype.element_ty), mask=kv_mask)
 
     if ROTATE_Q:
         q_pos = pos if Q_PER_TOKEN else start

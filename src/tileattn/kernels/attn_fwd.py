@@ -27,7 +27,9 @@ already normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
 ``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r % GROUP``,
 so one program reads each K/V tile once for the whole group), ``SPLIT_KV``, ``MASK_LEFT`` /
 ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0), ``HAS_SOFTCAP``,
-``HAS_ALIBI``, ``HAS_DROPOUT``, ``HAS_SINK`` (a learnable sink logit per query head: without
+``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with descales ``KDescale``/``VDescale``,
+contiguous (batch, nheads_k) fp32, real = stored x descale: the tiles convert exactly to
+``DOT_DTYPE``, k's descale joins the score scale and v's the output), ``HAS_SINK (a learnable sink logit per query head: without
 ``SPLIT_KV`` the recurrence starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key
 of value 0 every row sees; with it the combine merges the sink once). ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
 dtype, except bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as
@@ -112,29 +114,33 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "num_splits", "window_left",
-                               "window_right", "dropout_seed", "dropout_threshold"])
+@triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
+                               "window_left", "window_right", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_tb,
-    nheads, seqlen_q_arg, seqlen_k_arg, max_rows, num_splits,
+    nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
     scale_log2, softcap, window_left, window_right,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, IS_FP8: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINK: tl.constexpr = False,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
+
+    A launch serves the sequences of at least ``min_seqlen_q`` queries and at most ``max_rows``
+    rows; the others are another launch's (a mixed batch of short and long sequences takes two,
+    ``gpu.attention.FwdPlan``).
 
     ``Out``/``Lse`` are either the outputs (``stride_o_split = 0``) or, with ``SPLIT_KV``, fp32
     workspaces with one slice per split. Dense tensors index tokens as ``b * stride_b + i * stride_s``;
@@ -163,7 +169,7 @@ def _attn_fwd_kernel(
 
     num_rows = seqlen_q * GROUP if PACK_GQA else seqlen_q
     m_start = m_block * BLOCK_M
-    if m_start >= num_rows:
+    if m_start >= num_rows or num_rows > max_rows or seqlen_q < min_seqlen_q:  # not this launch's rows
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] row of this (sequence, head group)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
@@ -204,6 +210,10 @@ def _attn_fwd_kernel(
     else:
         slope_log2 = 0.0
     bh = b * nheads + head  # [BLOCK_M] dropout's (batch, head) counter
+    if IS_FP8:  # one KV head per program: k's descale scales every score, v's the output
+        kv_idx = b64 * (nheads // GROUP) + head_k
+        scale_log2 = scale_log2 * tl.load(KDescale + kv_idx)
+        v_scale = tl.load(VDescale + kv_idx)
 
     # Key tiles this query block can see (window bounds relative to the diagonal i + diag_off).
     diag_off = seqlen_k - seqlen_q
@@ -259,7 +269,10 @@ def _attn_fwd_kernel(
 
     empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
+    if IS_FP8:
+        b_o = acc * (v_scale / l_safe)[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
+    else:
+        b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
 
     split = tl.program_id(1).to(tl.int64)

@@ -8,6 +8,8 @@ computed online over blocks of splits with the largest lse_s so far subtracted (
 inside), so each partial output is read once. Empty splits (lse_s = -inf) weigh 0; a row
 whose every split is empty gives out 0 and lse -inf. With ``HAS_SINK`` the merge starts from
 the sink's state (out 0, lse sink[head]): the sink enters each row once, not once per split.
+With ``SKIP_MARKED`` a row whose split-0 lse holds the bits ``UNSPLIT_MARK`` is left alone: a
+launch that did not split wrote its output directly (a mixed batch's long sequences).
 """
 
 import triton
@@ -16,6 +18,7 @@ import triton.language as tl
 from .common import LOG2E, online_rescale
 
 LN2 = tl.constexpr(0.6931471805599453)
+UNSPLIT_MARK = tl.constexpr(0x7FC0DEAD)  # a NaN's bits that no split writes (they write finite or -inf)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_splits"])
@@ -27,6 +30,7 @@ def _combine_kernel(
     stride_lb, stride_lh, stride_ls,
     nheads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr = False,
+    SKIP_MARKED: tl.constexpr = False,
 ):
     """Grid: one program per row of the flattened (batch, query, head) axis.
 
@@ -43,6 +47,9 @@ def _combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     lse_ptr = LsePart + b * stride_pl_b + head * stride_pl_h + pos * stride_pl_s
+    if SKIP_MARKED:
+        if tl.load(lse_ptr).to(tl.int32, bitcast=True) == UNSPLIT_MARK:
+            return
     o_ptr = OPart + b * stride_po_b + pos * stride_po_s + head * stride_po_h
 
     m = tl.full([1], float("-inf"), dtype=tl.float32)  # [1] largest lse so far, log2 units

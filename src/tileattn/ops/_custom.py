@@ -41,29 +41,34 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seq
          seqused_k: Optional[Tensor], block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
          learnable_sink: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
          window_left: int, window_right: int, softcap: float, dropout_p: float, dropout_seed: int, num_splits: int,
-         deterministic: bool) -> tuple[Tensor, Tensor]:
+         deterministic: bool, k_descale: Optional[Tensor] = None,
+         v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     # ``deterministic`` is only read by the backward (saved in _setup_context).
     params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
     return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    seqused_k, block_table, num_splits, learnable_sink)
+                    seqused_k, block_table, num_splits, learnable_sink, k_descale, v_descale)
 
 
 def _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-             block_table, num_splits, learnable_sink) -> tuple[Tensor, Tensor]:
-    """Allocate (out, lse) and let the device's backend fill them: the body of ``tileattn::fwd``."""
-    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # v's head dim
+             block_table, num_splits, learnable_sink, k_descale=None, v_descale=None,
+             out=None) -> tuple[Tensor, Tensor]:
+    """Allocate (out, lse) and let the device's backend fill them: the body of ``tileattn::fwd``.
+    A given ``out`` (unit last stride) is written in place instead of a new one."""
+    if out is None:
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # v's head dim
     lse = torch.empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q), device=q.device)
     backend_for(q.device).attn_fwd(
         q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, learnable_sink=learnable_sink)
+        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, learnable_sink=learnable_sink,
+        k_descale=k_descale, v_descale=v_descale)
     return out, lse
 
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink, max_seqlen_q,
               max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
-              deterministic):
+              deterministic, k_descale=None, v_descale=None):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     return out, lse
@@ -109,7 +114,7 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_s
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink, max_seqlen_q,
      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed, num_splits,
-     deterministic) = inputs
+     deterministic, _k_descale, _v_descale) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
     ctx.has_cache = seqused_k is not None or block_table is not None
@@ -119,7 +124,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, bwd) -> tuple:
-    """(dq, dk, dv, None x 5, dsink or None, None x 10) from what _setup_context saved, through
+    """(dq, dk, dv, None x 5, dsink or None, None x 12) from what _setup_context saved, through
     ``bwd`` (the op or its body). ``dout`` or ``dlse`` may be None (that output unused)."""
     if ctx.has_cache:
         raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
@@ -129,7 +134,7 @@ def _gradients(ctx, dout, dlse, bwd) -> tuple:
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv, dsink = bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
                             *ctx.scalars, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 5 + (None if learnable_sink is None else dsink,) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 5 + (None if learnable_sink is None else dsink,) + (None,) * 12
 
 
 def _backward(ctx, dout, dlse):
@@ -150,13 +155,13 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
                 max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
-                num_splits, deterministic):
+                num_splits, deterministic, k_descale, v_descale):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-                  dropout_seed, num_splits, deterministic)
+                  dropout_seed, num_splits, deterministic, k_descale, v_descale)
         params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
         out, lse = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k, block_table, num_splits, learnable_sink)
+                            seqused_k, block_table, num_splits, learnable_sink, k_descale, v_descale)
         _setup_context(ctx, inputs, (out, lse))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to read)
         return out, lse
@@ -168,8 +173,13 @@ class _EagerAttention(torch.autograd.Function):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None,
-              num_splits=1, deterministic=False, learnable_sink=None) -> tuple[Tensor, Tensor]:
+              num_splits=1, deterministic=False, learnable_sink=None, k_descale=None, v_descale=None,
+              out=None) -> tuple[Tensor, Tensor]:
     """(out, lse), with autograd when inputs require grad (lse and learnable_sink included).
+
+    ``k_descale``/``v_descale`` go with an FP8 cache. A given ``out`` receives the output and is
+    returned: written in place by the kernels when no graph is recorded and its last dim is
+    contiguous, else copied into (the custom op allocates its own output).
 
     When no graph is being recorded (no input needs a gradient, or grad mode is off) the
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
@@ -177,16 +187,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
     """
     if torch.compiler.is_compiling():
-        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
-                    int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left,
-                    params.window_right, params.softcap, params.dropout_p, params.dropout_seed, int(num_splits),
-                    bool(deterministic))
+        return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+                               learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
+                               params.window_left, params.window_right, params.softcap, params.dropout_p,
+                               params.dropout_seed, int(num_splits), bool(deterministic), k_descale, v_descale))
     sink_grad = learnable_sink is not None and learnable_sink.requires_grad
     needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
     if not needs_graph:
-        return _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink)
-    return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                 learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
-                                 params.window_left, params.window_right, params.softcap, params.dropout_p,
-                                 params.dropout_seed, int(num_splits), bool(deterministic))
+        direct = out is None or out.stride(-1) == 1
+        res = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                       int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
+                       v_descale, out if direct else None)
+        return res if direct else _into(out, res)
+    return _into(out, _EagerAttention.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
+        int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right,
+        params.softcap, params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic), k_descale,
+        v_descale))
+
+
+def _into(out, res):
+    """``res`` = (o, lse), with o copied into ``out`` and out returned in its place when one is given."""
+    if out is None:
+        return res
+    out.copy_(res[0])
+    return out, res[1]

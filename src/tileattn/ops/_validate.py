@@ -33,6 +33,7 @@ import torch
 
 from ..contract import AttnParams
 from .backend import backend_name
+from .fp8 import FP8_DTYPE, is_fp8
 
 MAX_HEADDIM = {"cpu": 576, "triton": 256}  # q/k's head dim (576: MLA's absorbed latent, on the CPU tiles)
 MAX_HEADDIM_V = {"cpu": 512, "triton": 256}  # v's own head dim, where it may differ from q/k's
@@ -140,11 +141,17 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False, headdim_v: bool = F
     Dense tensors are 4-D (batch, seqlen, heads, headdim); packed (varlen) q is 3-D, and so
     are k, v unless ``cache``: then they are a KV cache or block pool, always 4-D. Dv == D
     unless ``headdim_v`` (a caller that supports a value head dim of its own, as MLA uses).
+    A cache may be float8_e4m3fn, both k and v, under a float16 or bfloat16 q (``ops.fp8``).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not (q.dtype == k.dtype == v.dtype):
+    if cache and (is_fp8(k) or is_fp8(v)):
+        if k.dtype != v.dtype:
+            fail(TypeError, f"k and v caches must share a dtype, got {k.dtype} and {v.dtype}")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            fail(TypeError, f"with a {FP8_DTYPE} cache q must be float16 or bfloat16, got {q.dtype}")
+    elif not (q.dtype == k.dtype == v.dtype):
         fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         fail(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -251,8 +258,9 @@ def check_block_table(block_table, batch: int, device) -> None:
         fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
 
 
-def check_new_kv(k, v, k_cache, v_cache, batch: int) -> None:
-    """The new keys and values that ``flash_attn_with_kvcache`` appends (v with v_cache's head dim)."""
+def check_new_kv(k, v, k_cache, v_cache, batch: int, dtype=None) -> None:
+    """The new keys and values that ``flash_attn_with_kvcache`` appends (v with v_cache's head dim),
+    in the cache's dtype, or ``dtype`` when given (q's, for an FP8 cache that quantises them)."""
     if (k is None) != (v is None):
         fail(ValueError, "pass both k and v to append, or neither")
     if k is None:
@@ -264,11 +272,43 @@ def check_new_kv(k, v, k_cache, v_cache, batch: int) -> None:
         if t.shape[0] != batch or t.shape[2:] != c.shape[2:]:
             fail(ValueError, f"new {name} has shape {tuple(t.shape)}; expected ({batch}, seqlen_new, "
                              f"{c.shape[2]}, {c.shape[3]})")
-        if t.dtype != c.dtype or t.device != c.device:
-            fail(TypeError, f"new {name} must match the cache's dtype and device ({c.dtype}, {c.device})")
+        if t.dtype != (dtype or c.dtype) or t.device != c.device:
+            fail(TypeError, f"new {name} must have dtype {dtype or c.dtype} on {c.device} (the "
+                            f"{'queries' if dtype else 'cache'}'s), got {t.dtype} on {t.device}")
     if k.shape[:-1] != v.shape[:-1]:
         fail(ValueError, f"new k and v must have one shape but the head dim, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
+
+
+def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = ""):
+    """The descales of an FP8 cache as contiguous (batch, nheads_k) fp32, or (None, None) for a
+    cache in q's dtype, which takes none. ``prefix`` goes before their names in messages."""
+    names = (f"{prefix}k_descale", f"{prefix}v_descale")
+    if not is_fp8(k_cache):
+        if k_descale is not None or v_descale is not None:
+            fail(ValueError, f"{names[0]}/{names[1]} go with a {FP8_DTYPE} KV cache, the cache is {k_cache.dtype}")
+        return None, None
+    want = (batch, k_cache.shape[-2])
+    for name, d in zip(names, (k_descale, v_descale)):
+        if d is None:
+            fail(ValueError, f"a {FP8_DTYPE} KV cache needs {name} (float32, shape {want})")
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+            fail(TypeError, f"{name} must be a float32 tensor, got {getattr(d, 'dtype', type(d).__name__)}")
+        if tuple(d.shape) != want:
+            fail(ValueError, f"{name} must have shape {want} (batch, nheads_k), got {tuple(d.shape)}")
+        if d.device != q.device:
+            fail(ValueError, f"{name} is on {d.device} but q is on {q.device}")
+    return k_descale.contiguous(), v_descale.contiguous()
+
+
+def check_out(out, q, v) -> None:
+    """An ``out=`` buffer: q's shape with v's head dim, q's dtype and device (any strides)."""
+    if out is None:
+        return
+    want = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
+        fail(ValueError, f"out must be a tensor of shape {want}, dtype {q.dtype} on {q.device}, got "
+                         f"{getattr(out, 'shape', type(out).__name__)!r} {getattr(out, 'dtype', '')}")
 
 
 def check_sink(learnable_sink, q: torch.Tensor, nheads: int) -> torch.Tensor | None:
@@ -324,6 +364,32 @@ def cache_capacity(k_cache: torch.Tensor, block_table, batch: int, device) -> in
     return k_cache.shape[1]
 
 
+def check_prefix(prefix_block_table, prefix_len, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared prefix's blocks, (prefix_blocks,) or (1, prefix_blocks) int32, and its length, an
+    int or an int32 tensor (1,): returned as a (1, prefix_blocks) table and a (1,) int32 tensor."""
+    t = prefix_block_table
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1):
+        fail(TypeError, "prefix_block_table must be an int32 tensor of shape (prefix_blocks,) or (1, prefix_blocks)")
+    if t.device != device:
+        fail(ValueError, f"prefix_block_table is on {t.device} but q is on {device}")
+    if isinstance(prefix_len, torch.Tensor):
+        check_int32_vector("prefix_len", prefix_len, 1, device)
+        return t.view(1, -1), prefix_len
+    return t.view(1, -1), torch.full((1,), integer("prefix_len", prefix_len, 0), dtype=torch.int32, device=device)
+
+
+def check_queries_in_suffix(cache_seqlens, new_tokens: int, seqlen_q: int) -> None:
+    """Causal cascade attention: every request's queries lie among its own (suffix) keys."""
+    mode = value_mode(cache_seqlens)
+    if mode == "device" and cache_seqlens.numel():
+        _assert_on_device(cache_seqlens.min() + new_tokens >= seqlen_q,
+                          "causal cascade attention needs each request's queries among its own suffix keys")
+    if mode == "host" and cache_seqlens.numel() and int(cache_seqlens.min()) + new_tokens < seqlen_q:
+        fail(ValueError, f"causal cascade attention needs each request's {seqlen_q} queries among its own suffix "
+                         f"keys; a suffix has {int(cache_seqlens.min()) + new_tokens} (cache_seqlens + seqlen_new)")
+
+
 def cache_lengths(cache_seqlens, batch: int, capacity: int, paged: bool, device) -> torch.Tensor:
     """cache_seqlens as an int32 tensor (batch,) on q's device (its values: ``check_cache_values``)."""
     if cache_seqlens is None:
@@ -370,7 +436,10 @@ def _within(x: torch.Tensor, lo, hi) -> torch.Tensor:
 
 def vouch(t: torch.Tensor, facts: tuple) -> torch.Tensor:
     """Mark ``t`` as holding values its producer knows on the host (``PagedKVCache``): ``facts``
-    stand in for reading them, as long as ``t`` is not modified (its version counter)."""
+    stand in for reading them, as long as ``t`` is not modified (its version counter). An
+    inference tensor has no version counter to tell a later change: its values get checked."""
+    if t.is_inference():
+        return t
     t._tileattn_facts = (t._version, facts)
     return t
 
@@ -405,6 +474,19 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_seqlen:
         fail(ValueError, f"{name} must be non-decreasing, got {values}")
     if max(lengths, default=0) > max_seqlen:
         fail(ValueError, f"a sequence in {name} has {max(lengths)} tokens, more than max_seqlen {max_seqlen}")
+
+
+def check_used_keys(seqused_k, cu_seqlens_k) -> None:
+    """With packed keys, seqused_k[b] must lie within 0 .. sequence b's keys."""
+    mode = value_mode(seqused_k)
+    if mode == "device":
+        ok = _within(seqused_k, 0, 2**31 - 1) & seqused_k.le(cu_seqlens_k.diff()).all()
+        _assert_on_device(ok, "seqused_k must lie within 0 .. each sequence's packed keys")
+    if mode != "host":
+        return
+    for b, (n, lo, hi) in enumerate(zip(seqused_k.tolist(), cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:])):
+        if not 0 <= n <= hi - lo:
+            fail(IndexError, f"seqused_k[{b}] = {n} is outside 0..{hi - lo} (sequence {b}'s packed keys)")
 
 
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,

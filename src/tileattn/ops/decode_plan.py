@@ -16,8 +16,8 @@ kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace 
 layers run one after the other on the stream, so they share it); ``run`` only compares each
 layer's tensors with the planned shapes and launches: the append of the new keys (rotated
 when asked) and attention, no host-device synchronisation, so a step can be captured in a
-CUDA graph. Not planned: ``cache_batch_idx``, ``cache_leftpad`` (use
-``flash_attn_with_kvcache``).
+CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
+planned: ``cache_batch_idx``, ``cache_leftpad`` (use ``flash_attn_with_kvcache``).
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ class DecodePlan:
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True, softmax_scale=None, causal=False,
-                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                 k_descale=None, v_descale=None):
         # the checks of flash_attn_with_kvcache, once for the step (the new k, v: in ``run``)
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
         V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
+        self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch)
+        self._new_dtype = q.dtype if self.descales[0] is not None else k_cache.dtype  # FP8: quantised as written
         paged = block_table is not None
         capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
         cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
@@ -75,7 +78,8 @@ class DecodePlan:
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
             self._fwd = backend_for(q.device).plan_fwd(
                 q, k_cache, v_cache, out, lse, params=self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
-                max_seqlen_k=capacity, seqused_k=self.seqused_k, block_table=block_table, num_splits=num_splits)
+                max_seqlen_k=capacity, seqused_k=self.seqused_k, block_table=block_table, num_splits=num_splits,
+                k_descale=self.descales[0])
             self._workspace = self._fwd.new_workspace(q.device)
 
     @staticmethod
@@ -95,22 +99,22 @@ class DecodePlan:
                                "dtype or device): make a new DecodePlan")
         if self.seqlen_new:
             for name, t in (("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._new_shape or t.dtype != k_cache.dtype \
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._new_shape or t.dtype != self._new_dtype \
                         or t.device != k_cache.device:
-                    V.fail(ValueError, f"the plan appends {name} of shape {self._new_shape} ({k_cache.dtype}, "
+                    V.fail(ValueError, f"the plan appends {name} of shape {self._new_shape} ({self._new_dtype}, "
                                        f"{k_cache.device}), got {getattr(t, 'shape', t)}")
             cos, sin, interleaved, per_token_q = self.rotary
             q, _ = _append(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, cos, sin, interleaved,
-                           per_token_q)
+                           per_token_q, *self.descales)
         elif k is not None or v is not None:
             V.fail(ValueError, "the plan was made with seqlen_new=0: it appends no k, v")
         if self._fwd is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
             self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, None, None, self.seqused_k,
-                          self.block_table, self._workspace)
+                          self.block_table, self._workspace, k_descale=self.descales[0], v_descale=self.descales[1])
         else:
             out, lse = attention(q, k_cache, v_cache, self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
                                  max_seqlen_k=self.capacity, seqused_k=self.seqused_k, block_table=self.block_table,
-                                 num_splits=self.num_splits)
+                                 num_splits=self.num_splits, k_descale=self.descales[0], v_descale=self.descales[1])
         return (out, lse) if self.return_softmax_lse else out

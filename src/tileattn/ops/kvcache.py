@@ -32,6 +32,11 @@ a bad option leaves the cache untouched.
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
 and values in one storage) is read in place, and the append then writes the new keys once.
 
+A float8_e4m3fn cache (``tileattn.ops.fp8``) takes ``k_descale``/``v_descale`` (batch, nheads_k)
+fp32: the real keys are the stored values times the descale. New ``k``, ``v`` then come in q's
+dtype and are quantised with those scales as they are written (round to nearest, saturate to
++-448). Not with ``cache_leftpad``.
+
 When batch x heads cannot fill the GPU the keys are split across thread blocks
 (flash-decoding) and the partial (o, lse) states merged; ``num_splits=0`` picks the split
 count, n > 0 forces it. No call synchronises the host with the device (the value checks on
@@ -46,6 +51,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .backend import backend_for, backend_name
+from .fp8 import quantize
 from .rotary import apply_rotary
 
 __all__ = ["flash_attn_with_kvcache", "append_to_cache"]
@@ -55,19 +61,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            learnable_sink=None):
+                            learnable_sink=None, k_descale=None, v_descale=None):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a (contiguous or paged) KV cache.
 
     ``learnable_sink`` fp32 (nheads,): a sink logit per query head (see ``flash_attn_func``);
     with split keys it enters each row once, in the merge of the splits.
 
     Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with lse
-    (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
+    (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``. ``k_descale``/``v_descale``
+    (batch, nheads_k) fp32 go with a float8_e4m3fn cache (module docstring).
     """
     # Every check first: nothing is rotated or written before all arguments passed.
     V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
     V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch = q.shape[0]
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch)
     paged = block_table is not None
     if cache_batch_idx is not None:
         if paged:
@@ -83,11 +91,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if paged:
             raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table); "
                                       "flash-attn refuses it too")
+        if k_descale is not None:
+            raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a float8_e4m3fn cache")
         V.check_int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
         if k_cache.shape[0] * capacity >= 2**31:
             V.fail(ValueError, f"cache_leftpad needs cache rows x seqlen_cache < 2**31, got {k_cache.shape[0]} x "
                                f"{capacity}")
-    V.check_new_kv(k, v, k_cache, v_cache, batch)
+    V.check_new_kv(k, v, k_cache, v_cache, batch, dtype=None if k_descale is None else q.dtype)
     new_tokens = 0 if k is None else k.shape[1]
     rotary_len = V.check_rotary(rotary_cos, rotary_sin, k, q.shape[-1], q.device)
     num_splits = V.num_splits(num_splits)
@@ -103,7 +113,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqused_k = cache_seqlens
     if k is not None:
         q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                               rotary_interleaved, per_token_q)
+                               rotary_interleaved, per_token_q, k_descale, v_descale)
     q = V.last_dim_contiguous(q)
     if cache_leftpad is not None:
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
@@ -111,7 +121,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
                              max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=num_splits, learnable_sink=sink)
+                             num_splits=num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -138,9 +148,10 @@ def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad
 
 
 def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
-            per_token_q: bool):
+            per_token_q: bool, k_descale=None, v_descale=None):
     """Write the new keys and values into the cache (rotated first when ``cos``/``sin`` are
-    given, and q with them); returns q and the number of keys each sequence then has.
+    given, and q with them; quantised with the descales of an FP8 cache); returns q and the
+    number of keys each sequence then has.
 
     The Triton backend does it in one kernel (``tileattn.gpu.append_kv``), which also writes the
     new lengths; the torch ops below do it elsewhere, under torch.compile, which traces them, and
@@ -155,11 +166,12 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
             q, _ = _rotate(q, k[:, :0], cos, sin, cache_seqlens, interleaved, per_token_q)  # q alone
         q_rot = backend_for(k.device).append_kv(
             k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=cos, rotary_sin=sin,
-            interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused)
+            interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused,
+            k_descale=k_descale, v_descale=v_descale)
         return (q if q_rot is None else q_rot), seqused
     if cos is not None:
         q, k = _rotate(q, k, cos, sin, cache_seqlens, interleaved, per_token_q)
-    append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     return q, cache_seqlens + k.shape[1]
 
 
@@ -175,7 +187,8 @@ def _rotate(q, k, cos, sin, cache_seqlens, interleaved: bool, per_token_q: bool)
     return apply_rotary(q, cos, sin, q_pos, interleaved), apply_rotary(k, cos, sin, k_pos, interleaved)
 
 
-def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None,
+                    v_descale=None) -> None:
     """Write k, v (batch, seqlen_new, nheads_k, headdim) into the cache at cache_seqlens, in place.
 
     On the device: index_put with the positions computed there (no host synchronisation),
@@ -183,7 +196,10 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> 
     which skips advanced indexing's per-call cost (reading their lengths costs nothing). When
     v_cache is a view of k_cache[..., :headdim_v] and v of k[..., :headdim_v] (MLA's latent: the
     values are the keys' first entries), the keys' write already holds the values: one write.
+    With descales (an FP8 cache) the values are quantised first (``tileattn.ops.fp8.quantize``).
     """
+    if k_descale is not None:
+        k, v = quantize(k, k_descale), quantize(v, v_descale)
     batch, seqlen_new = k.shape[0], k.shape[1]
     if _is_prefix_view(v_cache, k_cache) and _is_prefix_view(v, k):
         v_cache = v = None

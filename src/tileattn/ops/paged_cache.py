@@ -32,6 +32,7 @@ import itertools
 import torch
 
 from ._validate import vouch
+from .fp8 import FP8_DTYPE, quantize
 
 __all__ = ["PagedKVCache"]
 
@@ -133,18 +134,30 @@ class PagedKVCache:
         host = torch.tensor(lengths, dtype=torch.int32)
         return vouch(self._into(host, out), (self._state(ids), max(lengths, default=0), room))
 
-    def write_packed(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
+    def write_packed(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                     k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> None:
         """Scatter packed tokens k, v (total, nheads_k, headdim) after each sequence's length.
 
         Sequence ``seq_ids[b]`` receives rows cu_seqlens[b]:cu_seqlens[b+1] (a list or a CPU
         tensor; a CUDA tensor costs a device-to-host copy). Call ``reserve`` before and
-        ``advance`` after writing all layers.
+        ``advance`` after writing all layers. A float8_e4m3fn pool needs ``k_descale`` and
+        ``v_descale`` (len(seq_ids), nheads_k) fp32: row b quantises sequence b's tokens
+        (``tileattn.ops.fp8.quantize``) and is what attention over them must be given.
         """
         ids = self._ids(seq_ids)
         offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if len(offsets) != len(ids) + 1 or offsets[-1] != k.shape[0] or k.shape != v.shape:
             raise ValueError("write_packed: cu_seqlens must have len(seq_ids) + 1 entries ending at k.shape[0], "
                              "and k, v one shape")
+        fp8 = self.k_cache[layer].dtype == FP8_DTYPE
+        want = (len(ids), self.k_cache[layer].shape[2])
+        for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if (d is not None) != fp8:
+                raise ValueError(f"write_packed: a {FP8_DTYPE} pool needs k_descale and v_descale, another pool "
+                                 f"neither ({name} was {'not ' if d is None else ''}given)")
+            if d is not None and (d.dtype != torch.float32 or tuple(d.shape) != want or d.device != self.device):
+                raise ValueError(f"write_packed: {name} must be float32 of shape {want} on {self.device}, got "
+                                 f"{d.dtype} {tuple(d.shape)} on {d.device}")
         blocks, slots = [], []
         for seq_id, start, end in zip(ids, offsets[:-1], offsets[1:]):
             if end < start:
@@ -157,6 +170,10 @@ class PagedKVCache:
                 slots.append(pos % self.block_size)
         blk = self._into(torch.tensor(blocks, dtype=torch.long), None)
         slot = self._into(torch.tensor(slots, dtype=torch.long), None)
+        if fp8:  # each token quantised with its sequence's descales
+            lengths = torch.tensor(offsets[1:]) - torch.tensor(offsets[:-1])
+            owner = self._into(torch.repeat_interleave(torch.arange(len(ids)), lengths), None)  # token -> b
+            k, v = (quantize(x[:, None], d[owner])[:, 0] for x, d in ((k, k_descale), (v, v_descale)))
         self.k_cache[layer][blk, slot] = k
         self.v_cache[layer][blk, slot] = v
 

@@ -1,0 +1,103 @@
+"""Shared-prefix (cascade) attention: ``cascade_attn_with_kvcache``.
+
+Requests that share a prompt prefix (a system prompt) keep its keys once in the paged pool;
+each request's own keys (its suffix) live in blocks of its own. Attention of request b over
+``prefix ++ suffix_b`` splits by keys into two partial states that merge exactly
+(``tileattn.ops.merge.merge_states``)::
+
+    (o_p, lse_p) = attention of q_b over the prefix's keys   (one call for every request)
+    (o_s, lse_s) = attention of q_b over suffix_b's keys      (one paged call, causal)
+    out_b        = merge(o_p, lse_p, o_s, lse_s)
+
+The prefix call packs the query rows of all requests (batch x seqlen_q of them) as the rows of
+one sequence, not causal: every query sits after the whole prefix and sees all of it, so each
+prefix key tile is read once per tile of query rows rather than once per request. FlashInfer's
+two-level ``MultiLevelCascadeAttentionWrapper`` is the model.
+
+Layouts: q (batch, seqlen_q, nheads, headdim); the pool k_cache, v_cache (num_blocks,
+block_size, nheads_k, headdim) holds the prefix's blocks, ``prefix_block_table``
+(prefix_blocks,) int32 with ``prefix_len`` keys (an int, or an int32 tensor (1,) a CUDA graph
+can replay with other values), and each request's own blocks, ``block_table`` (batch,
+max_blocks) int32 with ``cache_seqlens`` (batch,) int32 keys after the prefix. New ``k``, ``v``
+(batch, seqlen_new, nheads_k, headdim) are appended to each suffix first, as
+``flash_attn_with_kvcache`` does. Causal is aligned bottom-right on the whole sequence: query i
+of request b sits at position prefix_len + L_b - seqlen_q + i (L_b its suffix length after the
+append), so the queries must lie in the suffix (L_b >= seqlen_q). Sliding windows and ALiBi
+depend on positions inside the prefix and are not offered; softcap is.
+
+An FP8 pool (float8_e4m3fn, ``tileattn.ops.fp8``) takes ``k_descale``/``v_descale`` (batch,
+nheads_k) for the requests' own keys (new k, v are quantised with them) and
+``prefix_k_descale``/``prefix_v_descale`` (1, nheads_k) for the prefix's, written once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from ._custom import attention
+from .kvcache import _append
+from .merge import merge_states
+
+__all__ = ["cascade_attn_with_kvcache"]
+
+
+def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_len, block_table, cache_seqlens, *,
+                              k=None, v=None, softmax_scale=None, causal=True, softcap=0.0, num_splits=0,
+                              return_softmax_lse=False, k_descale=None, v_descale=None, prefix_k_descale=None,
+                              prefix_v_descale=None):
+    """Attention of each request over a shared prefix and its own suffix, the prefix read once for
+    all requests. Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with
+    lse (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
+
+    Equal to ``flash_attn_with_kvcache`` over a block table whose rows are the prefix's blocks
+    followed by each request's (when the prefix fills whole blocks).
+    """
+    # Every check first: nothing is appended before all arguments passed.
+    V.check_flags(causal=causal, return_softmax_lse=return_softmax_lse)
+    V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
+    batch, seqlen_q, nheads, headdim = q.shape
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch)
+    prefix_k_descale, prefix_v_descale = V.check_descales(k_cache, q, prefix_k_descale, prefix_v_descale, 1,
+                                                          prefix="prefix_")
+    if block_table is None:
+        V.fail(ValueError, "cascade_attn_with_kvcache reads a paged pool: block_table is required")
+    capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
+    prefix_table, prefix_used = V.check_prefix(prefix_block_table, prefix_len, q.device)
+    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, True, q.device)
+    V.check_new_kv(k, v, k_cache, v_cache, batch, dtype=None if k_descale is None else q.dtype)
+    new_tokens = 0 if k is None else k.shape[1]
+    num_splits = V.num_splits(num_splits)
+    params = V.make_params(headdim, softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1),
+                           softcap=softcap, dropout_p=0.0)
+    prefix_params = V.make_params(headdim, softmax_scale=softmax_scale, causal=False, window_size=(-1, -1),
+                                  softcap=softcap, dropout_p=0.0)
+    V.check_cache_values(prefix_used, 0, prefix_table.shape[1] * block_size, prefix_table, block_size, num_blocks,
+                         table_name="prefix_block_table", lengths_name="prefix_len")
+    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, block_size, num_blocks)
+    if causal:
+        V.check_queries_in_suffix(cache_seqlens, new_tokens, seqlen_q)
+
+    suffix_used = cache_seqlens
+    if k is not None:
+        q, suffix_used = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, None, True, causal,
+                                 k_descale, v_descale)
+    q = V.last_dim_contiguous(q)
+    # the prefix: every request's query rows as the rows of one sequence, an fp32 partial state
+    rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
+    o_p = torch.empty(rows.shape, dtype=torch.float32, device=q.device)
+    o_p, lse_p = attention(rows, k_cache, v_cache, prefix_params, max_seqlen_q=batch * seqlen_q,
+                           max_seqlen_k=prefix_table.shape[1] * block_size, seqused_k=prefix_used,
+                           block_table=prefix_table, num_splits=num_splits, out=o_p, k_descale=prefix_k_descale,
+                           v_descale=prefix_v_descale)
+    o_p = o_p.view(batch, seqlen_q, nheads, headdim)
+    lse_p = lse_p.view(nheads, batch, seqlen_q).transpose(0, 1)  # (batch, nheads, seqlen_q)
+    # each request's own keys, causal within them
+    o_s = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    o_s, lse_s = attention(q, k_cache, v_cache, params, max_seqlen_q=seqlen_q, max_seqlen_k=capacity,
+                           seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_s,
+                           k_descale=k_descale, v_descale=v_descale)
+    out, lse = merge_states(o_p, lse_p, o_s, lse_s)
+    out = out.to(q.dtype)
+    return (out, lse) if return_softmax_lse else out
