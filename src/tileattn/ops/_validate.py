@@ -280,9 +280,13 @@ def check_new_kv(k, v, k_cache, v_cache, batch: int, dtype=None) -> None:
                          f"{tuple(v.shape)}")
 
 
-def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = ""):
+def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = "", v_cache=None):
     """The descales of an FP8 cache as contiguous (batch, nheads_k) fp32, or (None, None) for a
-    cache in q's dtype, which takes none. ``prefix`` goes before their names in messages."""
+    cache in q's dtype, which takes none. ``prefix`` goes before their names in messages.
+
+    A ``v_cache`` in ``k_cache``'s storage (MLA's one latent cache, v = k[..., :headdim_v]) holds
+    the values as the keys stored them, at k_descale's scale: its v_descale must be k_descale
+    itself, or every value would be read at another scale (no error, wrong numbers)."""
     names = (f"{prefix}k_descale", f"{prefix}v_descale")
     if not is_fp8(k_cache):
         if k_descale is not None or v_descale is not None:
@@ -298,6 +302,10 @@ def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = "
             fail(ValueError, f"{name} must have shape {want} (batch, nheads_k), got {tuple(d.shape)}")
         if d.device != q.device:
             fail(ValueError, f"{name} is on {d.device} but q is on {q.device}")
+    if (v_cache is not None and v_descale is not k_descale
+            and v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()):
+        fail(ValueError, f"{prefix}v_cache shares {prefix}k_cache's storage (one latent cache): its values are "
+                         f"the keys' entries at {names[0]}'s scale, so pass {names[1]}={names[0]} (the same tensor)")
     return k_descale.contiguous(), v_descale.contiguous()
 
 

@@ -57,9 +57,9 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
     V.check_flags(causal=causal, return_softmax_lse=return_softmax_lse)
     V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
     batch, seqlen_q, nheads, headdim = q.shape
-    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch)
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     prefix_k_descale, prefix_v_descale = V.check_descales(k_cache, q, prefix_k_descale, prefix_v_descale, 1,
-                                                          prefix="prefix_")
+                                                          prefix="prefix_", v_cache=v_cache)
     if block_table is None:
         V.fail(ValueError, "cascade_attn_with_kvcache reads a paged pool: block_table is required")
     capacity = V.cache_capacity(k_cache, block_table, batch, q.device)

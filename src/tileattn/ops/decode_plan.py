@@ -51,7 +51,7 @@ class DecodePlan:
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
-        self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch)
+        self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
         self._new_dtype = q.dtype if self.descales[0] is not None else k_cache.dtype  # FP8: quantised as written
         paged = block_table is not None
         capacity = V.cache_capacity(k_cache, block_table, batch, q.device)

@@ -75,7 +75,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
     V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch = q.shape[0]
-    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch)
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     paged = block_table is not None
     if cache_batch_idx is not None:
         if paged:

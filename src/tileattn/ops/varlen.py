@@ -65,7 +65,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
-    k_descale, v_descale = V.check_descales(k, q, k_descale, v_descale, batch)
+    k_descale, v_descale = V.check_descales(k, q, k_descale, v_descale, batch, v_cache=v)
     if seqused_k is not None:
         V.check_int32_vector("seqused_k", seqused_k, batch, q.device)
     num_splits = (0 if seqused_k is not None or paged else 1) if num_splits is None else V.num_splits(num_splits)
