@@ -163,3 +163,93 @@ def test_rotary_with_cache_leftpad(device, batch_idx):
                                      torch.from_numpy(values).float(), causal=True)
         assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
         np.testing.assert_allclose(k_cache[r, hi:hi + new].cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------ apply_rotary_emb (flash_attn.layers.rotary)
+
+
+def _tables(seqlen_ro, rotary_dim, seed):
+    angles = torch.rand(seqlen_ro, rotary_dim // 2, generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.float64) * 6.3
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("offsets", [0, 5, "tensor"])
+def test_apply_rotary_emb_matches_reference(interleaved, offsets):
+    from tileattn.layers.rotary import apply_rotary_emb
+
+    batch, seqlen, headdim, rotary_dim = 3, 7, 24, 16
+    cos, sin = _tables(20, rotary_dim, 5)
+    x = torch.randn(batch, seqlen, 2, headdim, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    offs = torch.tensor([0, 9, 13]) if offsets == "tensor" else offsets
+    got = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offs)
+    start = offs[:, None] if offsets == "tensor" else torch.full((batch, 1), offs)
+    want = rotate64(x.numpy(), cos.numpy(), sin.numpy(), (start + torch.arange(seqlen)).numpy(), interleaved)
+    assert np.abs(got.numpy() - want).max() < 1e-6  # fp32 arithmetic on float64 inputs
+    assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rotary_emb_packed_and_in_place(device, interleaved):
+    """Packed sequences (cu_seqlens), each counted from its own offset; inplace rotates x itself.
+    The same on the CPU and CUDA paths (no host synchronisation on CUDA tensors)."""
+    from tileattn.layers.rotary import apply_rotary_emb
+
+    lens, offs = [4, 0, 6], torch.tensor([3, 1, 0])
+    cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
+    cos, sin = _tables(12, 8, 7)
+    x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    dev = lambda t: t.to(device)  # noqa: E731
+    got = apply_rotary_emb(dev(x), dev(cos), dev(sin), interleaved, seqlen_offsets=dev(offs), cu_seqlens=dev(cu),
+                           max_seqlen=6).cpu()
+    positions = torch.cat([offs[b] + torch.arange(n) for b, n in enumerate(lens)])[None]
+    want = rotate64(x[None].float().numpy(), cos.numpy(), sin.numpy(), positions.numpy(), interleaved)[0]
+    # rotated in fp32, rounded once to bf16: within bf16's half ulp of the exact result
+    assert (np.abs(got.double().numpy() - want) <= 2.0**-8 * np.abs(want) + 1e-6).all()
+    y = dev(x.clone())
+    assert apply_rotary_emb(y, dev(cos), dev(sin), interleaved, inplace=True, seqlen_offsets=dev(offs),
+                            cu_seqlens=dev(cu)) is y
+    assert torch.equal(y.cpu(), got)
+
+
+def test_apply_rotary_emb_gradients():
+    from tileattn.layers.rotary import apply_rotary_emb
+
+    cos, sin = _tables(6, 4, 9)
+    x = torch.randn(1, 5, 2, 6, dtype=torch.float64, requires_grad=True)
+    cos64, sin64 = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+    # the rotation runs in fp32: compare the analytic gradient of x (rotation by -theta) instead of gradcheck
+    out = apply_rotary_emb(x, cos64, sin64, seqlen_offsets=1)
+    g = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, g)
+    back = rotate64(g.detach().numpy(), cos.numpy(), -sin.numpy(), (1 + torch.arange(5))[None].numpy(), False)
+    assert np.abs(dx.numpy() - back).max() < 1e-6
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(seqlen_offsets=14), IndexError, "cover 20 positions"),
+    (dict(seqlen_offsets=torch.tensor([0, 14, 0])), IndexError, "cover 20 positions"),
+    (dict(seqlen_offsets=torch.tensor([0.0, 1.0, 2.0])), TypeError, "integers"),
+    (dict(seqlen_offsets=torch.tensor([0, 1])), ValueError, r"shape \(3,\)"),
+    (dict(seqlen_offsets=-1), ValueError, "seqlen_offsets"),
+    (dict(inplace="yes"), TypeError, "inplace must be a bool"),
+])
+def test_apply_rotary_emb_bad_input_raises(kwargs, error, words):
+    from tileattn.layers.rotary import apply_rotary_emb
+
+    cos, sin = _tables(20, 8, 1)
+    with pytest.raises(error, match=words):
+        apply_rotary_emb(torch.randn(3, 7, 2, 16), cos, sin, **kwargs)
+
+
+def test_apply_rotary_emb_refuses_bad_tables():
+    from tileattn.layers.rotary import apply_rotary_emb
+
+    cos, sin = _tables(20, 8, 1)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        apply_rotary_emb(torch.randn(1, 3, 2, 6), cos, sin)  # rotary_dim 8 > headdim 6
+    with pytest.raises(ValueError, match="one shape"):
+        apply_rotary_emb(torch.randn(1, 3, 2, 16), cos, sin[:, :2])
+    with pytest.raises(ValueError, match="x must be a floating-point"):
+        apply_rotary_emb(torch.ones(1, 3, 2, 16, dtype=torch.int32), cos, sin)

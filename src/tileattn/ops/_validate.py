@@ -346,19 +346,25 @@ def check_rotary(rotary_cos, rotary_sin, k, headdim: int, device) -> int | None:
         return None
     if k is None:
         fail(ValueError, "rotary_cos/rotary_sin rotate the new k and q: pass k and v too (flash-attn asks the same)")
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+    return rotary_tables(rotary_cos, rotary_sin, headdim, device)
+
+
+def rotary_tables(cos, sin, headdim: int, device, names=("rotary_cos", "rotary_sin"), owner: str = "q") -> int:
+    """cos and sin (seqlen_ro, rotary_dim / 2), floating point, on ``device`` (``owner``'s),
+    rotary_dim <= headdim; returns seqlen_ro."""
+    for name, t in zip(names, (cos, sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             fail(ValueError, f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got {getattr(t, 'shape', t)}")
         if not t.is_floating_point():
             fail(TypeError, f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != device:
-            fail(ValueError, f"{name} is on {t.device} but q is on {device}")
-    if rotary_cos.shape != rotary_sin.shape:
-        fail(ValueError, f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
-                         f"{tuple(rotary_sin.shape)}")
-    if not 0 < 2 * rotary_cos.shape[1] <= headdim:
-        fail(ValueError, f"rotary_dim (2 x {rotary_cos.shape[1]}) must be between 1 and headdim ({headdim})")
-    return rotary_cos.shape[0]
+            fail(ValueError, f"{name} is on {t.device} but {owner} is on {device}")
+    if cos.shape != sin.shape:
+        fail(ValueError, f"{names[0]} and {names[1]} must have one shape, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if not 0 < 2 * cos.shape[1] <= headdim:
+        fail(ValueError, f"rotary_dim (2 x {cos.shape[1]}) must be between 1 and headdim ({headdim})")
+    return cos.shape[0]
 
 
 def cache_capacity(k_cache: torch.Tensor, block_table, batch: int, device) -> int:
@@ -391,7 +397,7 @@ def check_queries_in_suffix(cache_seqlens, new_tokens: int, seqlen_q: int) -> No
     """Causal cascade attention: every request's queries lie among its own (suffix) keys."""
     mode = value_mode(cache_seqlens)
     if mode == "device" and cache_seqlens.numel():
-        _assert_on_device(cache_seqlens.min() + new_tokens >= seqlen_q,
+        assert_on_device(cache_seqlens.min() + new_tokens >= seqlen_q,
                           "causal cascade attention needs each request's queries among its own suffix keys")
     if mode == "host" and cache_seqlens.numel() and int(cache_seqlens.min()) + new_tokens < seqlen_q:
         fail(ValueError, f"causal cascade attention needs each request's {seqlen_q} queries among its own suffix "
@@ -428,7 +434,7 @@ def value_mode(t: torch.Tensor) -> str | None:
     return "host" if flag == "1" else None if flag == "0" else "device"
 
 
-def _assert_on_device(ok: torch.Tensor, what: str) -> None:
+def assert_on_device(ok: torch.Tensor, what: str) -> None:
     """One asynchronous assertion; the message shows where the check runs synchronously (CPU
     tensors), a CUDA device reports only that an assertion failed."""
     if ok.is_cuda:
@@ -437,7 +443,7 @@ def _assert_on_device(ok: torch.Tensor, what: str) -> None:
         torch._assert_async(ok, f"tileattn: {what} (rerun with {DEBUG_ENV}=1 for the exact check)")
 
 
-def _within(x: torch.Tensor, lo, hi) -> torch.Tensor:
+def within(x: torch.Tensor, lo, hi) -> torch.Tensor:
     """One boolean on x's device: every entry of x lies in [lo, hi] (bounds: numbers or tensors)."""
     return x.clamp(min=lo, max=hi).eq(x).all()
 
@@ -465,10 +471,10 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_seqlen:
     mode = value_mode(cu)
     if mode == "device":
         lengths = cu.diff()
-        ok = _within(lengths, 0, max_seqlen) & cu[0].eq(0)
+        ok = within(lengths, 0, max_seqlen) & cu[0].eq(0)
         if total is not None:
             ok = ok & cu[-1].eq(total)
-        _assert_on_device(ok, f"{name} must start at 0, never decrease and end at the number of packed tokens, "
+        assert_on_device(ok, f"{name} must start at 0, never decrease and end at the number of packed tokens, "
                               f"with no sequence longer than its max_seqlen")
     if mode != "host":
         return
@@ -488,8 +494,8 @@ def check_used_keys(seqused_k, cu_seqlens_k) -> None:
     """With packed keys, seqused_k[b] must lie within 0 .. sequence b's keys."""
     mode = value_mode(seqused_k)
     if mode == "device":
-        ok = _within(seqused_k, 0, 2**31 - 1) & seqused_k.le(cu_seqlens_k.diff()).all()
-        _assert_on_device(ok, "seqused_k must lie within 0 .. each sequence's packed keys")
+        ok = within(seqused_k, 0, 2**31 - 1) & seqused_k.le(cu_seqlens_k.diff()).all()
+        assert_on_device(ok, "seqused_k must lie within 0 .. each sequence's packed keys")
     if mode != "host":
         return
     for b, (n, lo, hi) in enumerate(zip(seqused_k.tolist(), cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:])):
@@ -567,7 +573,7 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
     top = capacity - new_tokens
     if rotary_len is not None:
         top = min(top, rotary_len - rotary_reach)
-    ok = _within(seqlens, 0, top)
+    ok = within(seqlens, 0, top)
     what = f"{lengths_name} (+ {new_tokens} new tokens) must lie within 0..{capacity}"
     if rotary_len is not None:
         what += f" and within the {rotary_len} rotary positions"
@@ -579,9 +585,9 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
         starts = torch.arange(0, block_table.shape[1] * block_size, block_size, device=seqlens.device,
                               dtype=torch.int32)
         in_use = torch.where(starts < ends[:, None], block_table, 0)
-        ok = ok & _within(in_use, 0, num_blocks - 1)
+        ok = ok & within(in_use, 0, num_blocks - 1)
         what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
-    _assert_on_device(ok, what)
+    assert_on_device(ok, what)
 
 
 def _cache_facts(seqlens, block_table, block_size: int):
