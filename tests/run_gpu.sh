@@ -3,7 +3,8 @@
 #
 #     bash tests/run_gpu.sh            # logs under $OUT (default gpu_out/), a summary last
 #
-# 1. the whole test suite on the GPU: the public-API tests (test_api, test_varlen,
+# 1. the whole test suite on the GPU (split in two halves run at once when the host has two
+#    GPUs or more: the multi-GPU kinds): the public-API tests (test_api, test_varlen,
 #    test_decode) then run the Triton kernels on CUDA tensors, test_triton_* compile their
 #    cases for the GPU, and the `gpu`-marked tests run (large shapes, CUDA graphs, bf16
 #    transformers models, ring attention on NCCL). With TILEATTN_AUTOTUNE=0 (the default
@@ -50,8 +51,28 @@ export TILEATTN_AUTOTUNE="${TILEATTN_AUTOTUNE:-0}"
 # for real. Several workers share the GPU when pytest-xdist is installed (compiling dominates).
 PAR=()
 "$PY" -c "import xdist" 2>/dev/null && PAR=(-n 8)
-step pytest "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 "${PAR[@]}" \
-  --ignore=tests/test_hopper_compile.py tests
+# pytest-timeout (when installed) stops one hung test instead of the whole step; -rfE names
+# every failure in the summary even when the step's limit cuts the run short of it.
+"$PY" -c "import pytest_timeout" 2>/dev/null && PAR+=(--timeout 240)
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
+if ((GPUS >= 2)); then
+  # two halves of the suite, one per GPU, at once (the 2026-11-30 runs: 190 s and 300 s)
+  HALF_A=(tests/test_hopper_fwd.py tests/test_api.py tests/test_triton_fwd.py tests/test_triton_bwd.py
+          tests/test_sinks.py tests/test_headdim_v.py tests/test_lse_grad.py tests/test_varlen.py tests/test_append.py
+          tests/test_launch.py tests/test_gpu_limits.py tests/test_serving.py tests/test_cascade.py)
+  HALF_B=()
+  for f in tests/test_*.py; do
+    [[ " ${HALF_A[*]} tests/test_hopper_compile.py " == *" $f "* ]] || HALF_B+=("$f")
+  done
+  CUDA_VISIBLE_DEVICES=0 step pytest_a "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+    --durations=10 "${PAR[@]}" "${HALF_A[@]}" &
+  CUDA_VISIBLE_DEVICES=1 step pytest_b "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+    --durations=10 "${PAR[@]}" "${HALF_B[@]}" &
+  wait
+else
+  step pytest "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=15 "${PAR[@]}" \
+    --ignore=tests/test_hopper_compile.py tests
+fi
 step serve 60 "$PY" examples/serve.py --device cuda
 step ring1 60 torchrun --nproc_per_node 1 benchmarks/ring.py --tokens 8192 --reps 3
 step demo 40 "$PY" -m tileattn.cli demo
