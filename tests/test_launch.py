@@ -183,6 +183,26 @@ def test_the_autotuned_prefill_plan_keeps_the_chosen_config(monkeypatch):
     torch.testing.assert_close(out, before, rtol=0, atol=0)
 
 
+def test_a_growing_cache_through_the_public_api_keeps_one_plan(monkeypatch):
+    """flash_attn_func passes its shapes as max_seqlen_q/k: a dense plan key must not hold them,
+    or transformers' cache, one key longer every step, makes a plan per step (measured: 103
+    instead of 55 µs per call on the CPU machine's stand-in launch)."""
+    import tileattn
+
+    if DEV == "cpu":
+        monkeypatch.setenv("TILEATTN_BACKEND", "triton")  # the Triton launcher, interpreted
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 1, 4, 32, generator=gen).to(DEV)
+    cache = torch.randn(1, 2, 80, 32, generator=gen).to(DEV)
+    for n in (40, 41, 57):
+        kv = cache[:, :, :n].transpose(1, 2)
+        out = tileattn.flash_attn_func(q, kv, kv, causal=True)
+        ref, _ = reference.attention_naive(*(t.double().cpu().numpy() for t in (q, kv, kv)), causal=True)
+        assert_within(f"{n} keys", out, plain_attention(q, kv, kv, causal=True)[0], ref)
+    assert len(A._PLANS) == 1
+
+
 def test_a_growing_dense_cache_keeps_one_plan():
     """transformers hands flash_attn_func its whole KV cache every step, one key longer each time
     (a (B, Hk, S, D) tensor seen through a transpose): one plan serves every step, taking the

@@ -204,8 +204,11 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     A dense call with a fixed split count (``flash_attn_func``, as transformers calls it with a
     KV cache that grows every step) names its keys' length only by ``length_bucket`` and their
     strides only by how Triton classifies them (``_stride_class``): its plan takes the rest per
-    call, so a growing cache does not make a new plan every step.
+    call, so a growing cache does not make a new plan every step. A dense call's max_seqlen_q/k
+    (the public functions pass its shapes) say nothing the shapes do not: they are left out.
     """
+    if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
+        max_seqlen_q = max_seqlen_k = 0
     if cu_seqlens_q is None and block_table is None and seqused_k is None and num_splits > 0:
         ks, vs = k.stride(), v.stride()
         kv = (k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
