@@ -203,6 +203,33 @@ def test_a_growing_cache_through_the_public_api_keeps_one_plan(monkeypatch):
     assert len(A._PLANS) == 1
 
 
+def test_a_serving_loop_reuses_its_plan(monkeypatch):
+    """A paged varlen call as a serving loop makes it, the longest sequence one key longer every
+    step: the plan takes max_seqlen_q/k as upper bounds rounded to a power of two, so the steps
+    share one plan, and every step still matches the reference on each sequence's own keys."""
+    import tileattn
+
+    if DEV == "cpu":
+        monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(10)
+    pool = torch.randn(12, 8, 2, 32, generator=gen)
+    table = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], dtype=torch.int32)
+    q = torch.randn(2, 4, 32, generator=gen)  # one decoding token per sequence
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for n in (33, 34, 40):
+        used = torch.tensor([n, n - 20], dtype=torch.int32)
+        out = tileattn.flash_attn_varlen_func(q.to(DEV), pool.to(DEV), pool.to(DEV), cu_q.to(DEV), None, 1, n,
+                                              seqused_k=used.to(DEV), block_table=table.to(DEV), causal=True)
+        for b in range(2):
+            keys = pool[table[b].long()].flatten(0, 1)[:int(used[b])][None]
+            ref, _ = reference.attention_naive(q[b][None, None].double().numpy(), keys.double().numpy(),
+                                               keys.double().numpy(), causal=True)
+            plain, _ = plain_attention(q[b][None, None], keys, keys, causal=True)
+            assert_within(f"step {n} sequence {b}", out[b][None, None].cpu(), plain, ref)
+    assert len(A._PLANS) == 1
+
+
 def test_a_growing_dense_cache_keeps_one_plan():
     """transformers hands flash_attn_func its whole KV cache every step, one key longer each time
     (a (B, Hk, S, D) tensor seen through a transpose): one plan serves every step, taking the

@@ -194,6 +194,12 @@ def _stride_class(x: int) -> int:
     return x if x == 1 else (16 if x % 16 == 0 else 17) + (2**32 if x > 2**31 - 1 else 0)
 
 
+def _bound(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0: unknown). The plan uses a packed or paged
+    call's max_seqlen_q/k only as upper bounds: the kernel reads each sequence's own lengths."""
+    return next_power_of_2(n) if n > 0 else n
+
+
 def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               seqused_k, block_table, num_splits, learnable_sink=None, k_descale=None) -> tuple:
     """Everything ``FwdPlan`` reads: the launch depends on the call through this tuple only.
@@ -205,10 +211,14 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     KV cache that grows every step) names its keys' length only by ``length_bucket`` and their
     strides only by how Triton classifies them (``_stride_class``): its plan takes the rest per
     call, so a growing cache does not make a new plan every step. A dense call's max_seqlen_q/k
-    (the public functions pass its shapes) say nothing the shapes do not: they are left out.
+    (the public functions pass its shapes) say nothing the shapes do not: they are left out;
+    a packed or paged call's are rounded up to a power of two (``_bound``).
     """
     if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
         max_seqlen_q = max_seqlen_k = 0
+    else:  # upper bounds to the plan (grid, tile, splits): by power of two, so that a serving
+        # loop, whose longest sequence grows every step, reuses its plans
+        max_seqlen_q, max_seqlen_k = _bound(max_seqlen_q), _bound(max_seqlen_k)
     if cu_seqlens_q is None and block_table is None and seqused_k is None and num_splits > 0:
         ks, vs = k.stride(), v.stride()
         kv = (k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
