@@ -65,7 +65,17 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
                       num_splits: int, max_seqlen_q: int = 0) -> str | None:
-    """None when the Hopper kernel can compute this forward call, else why not (one short phrase)."""
+    """None when the Hopper kernel can compute this forward call, else why not (one short phrase).
+
+    The shape checks come first: a decoding call, the most frequent and the shortest, is told
+    no before the environment and the device are looked at."""
+    if paged or seqused_k is not None:
+        return "paged / seqused_k"
+    if num_splits > 1:
+        return "explicit KV splits"
+    seq_dim = 0 if varlen else 1
+    if (max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim]) < MIN_SEQLEN_Q:
+        return "decoding shape"
     if not hopper_enabled():
         return "TILEATTN_HOPPER=0"
     if q.device.type != "cuda" or interpreting():
@@ -74,19 +84,12 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return "not sm_90"
     if not _gluon_available():
         return "Triton has no Gluon"
-    if paged or seqused_k is not None:
-        return "paged / seqused_k"
-    if num_splits > 1:
-        return "explicit KV splits"
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
-    seq_dim = 0 if varlen else 1
     if q.shape[0] == 0 or k.shape[seq_dim] == 0:
         return "empty batch or keys"
-    if (max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim]) < MIN_SEQLEN_Q:
-        return "decoding shape"
     if not params.softmax_scale > 0:
         return "softmax_scale <= 0"
     if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
