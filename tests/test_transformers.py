@@ -261,11 +261,31 @@ def test_segmented_padding_equals_unpadding(cpu_backend, left):
     _, mask = batch_with_padding(20, [11, 6, 3], left=left)  # queries: key positions 6..10
     keys_real = mask.bool()
     options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(3, 3), softcap=0.0)
-    exact = tt._unpadded_attention(q, k, v, keys_real, 6, options)
+    exact = tt._padded_attention(q, k, v, keys_real, options)
     segmented = tt._segmented_attention(q, k, v, keys_real, 6, options)
     real_queries = keys_real[:, 6:]
     assert real_queries.any() and not real_queries.all()
     torch.testing.assert_close(segmented[real_queries], exact[real_queries], rtol=0, atol=1e-6)
+
+
+def test_a_decoding_step_reads_its_mask_once(cpu_backend, monkeypatch):
+    """Every layer of a step gets the same mask tensor: its packing (host reads, nonzero, offsets)
+    is worked out once and reused, and worked out again for another mask or after an in-place
+    change of this one (its version counter)."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(3, n, h, 16, generator=gen) for n, h in ((1, 4), (9, 2), (9, 2)))
+    _, mask = batch_with_padding(20, [9, 4, 6], left=True)
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    reads = []
+    real_keys = tt._real_keys
+    monkeypatch.setattr(tt, "_real_keys", lambda *a: reads.append(1) or real_keys(*a))
+    first = tt._padded_attention(q, k, v, mask, options)
+    second = tt._padded_attention(q, k, v, mask, options)  # the next layer
+    assert len(reads) == 1 and torch.equal(first, second)
+    mask[1, 8] = 0  # row 1's last token (the query) becomes padding, in place
+    changed = tt._padded_attention(q, k, v, mask, options)
+    assert len(reads) == 2 and torch.equal(changed[1], torch.zeros_like(changed[1]))
+    assert torch.equal(tt._padded_attention(q, k, v, mask.clone(), options), changed) and len(reads) == 3
 
 
 def test_segmented_path_refuses_a_mask_with_holes(cpu_backend):

@@ -155,34 +155,57 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
     if attention_mask.shape[0] != batch or not seqlen_q <= width <= seqlen_k:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, n) with "
                          f"{seqlen_q} <= n <= {seqlen_k}")
-    mask = attention_mask.to(device=q.device)
-    if mask.dtype == torch.int8:  # the static-cache form: (batch, seqlen_k), -1 past the tokens seen
-        keys_real = mask == 1
-        first_query = (mask != _NOT_FILLED).sum(1) - seqlen_q  # (batch,), equal across rows
-    else:
-        keys_real = F.pad(mask.to(torch.bool), (0, seqlen_k - width), value=False)
-        first_query = width - seqlen_q
     if torch.compiler.is_compiling():
+        keys_real, first_query = _real_keys(attention_mask, q.device, seqlen_q, seqlen_k)
         return _segmented_attention(q, k, v, keys_real, first_query, options)
+    packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k)
+    return _unpadded_attention(q, k, v, packing, options)
+
+
+def _real_keys(attention_mask, device, seqlen_q: int, seqlen_k: int):
+    """(keys_real (batch, seqlen_k) bool, first_query): which key slots hold tokens, and the key
+    position of the first query (an int, or for the int8 form a (batch,) tensor, equal across rows)."""
+    mask = attention_mask.to(device=device)
+    if mask.dtype == torch.int8:  # the static-cache form: (batch, seqlen_k), -1 past the tokens seen
+        return mask == 1, (mask != _NOT_FILLED).sum(1) - seqlen_q
+    return F.pad(mask.to(torch.bool), (0, seqlen_k - mask.shape[1]), value=False), mask.shape[1] - seqlen_q
+
+
+# The packing of the last mask: every layer of a decoding step gets the same mask tensor, so
+# the host reads and index computations run once per step, not once per layer.
+_LAST_PACKING: list = [None]
+
+
+def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
+    """What ``_unpadded_attention`` needs of a mask (reads it on the host), reused while the same
+    mask tensor, unmodified (its version counter), comes with the same shapes."""
+    key = (seqlen_q, seqlen_k, device,
+           None if attention_mask.is_inference() else attention_mask._version)
+    last = _LAST_PACKING[0]
+    if last is not None and last[0] is attention_mask and last[1] == key and key[-1] is not None:
+        return last[2]
+    keys_real, first_query = _real_keys(attention_mask, device, seqlen_q, seqlen_k)
     if isinstance(first_query, torch.Tensor):
         first_query = int(first_query[0])
-    return _unpadded_attention(q, k, v, keys_real, first_query, options)
-
-
-def _unpadded_attention(q, k, v, keys_real, first_query: int, options: dict) -> torch.Tensor:
-    """Gather the real tokens into a packed batch, attend (varlen), scatter back; padded query rows get 0.
-
-    Any mask works. Query i of a row is real iff its key position first_query + i is; with the
-    masks aligned bottom-right per row, real query i sees the real keys up to its position.
-    """
-    seqlen_q = q.shape[1]
     queries_real = keys_real[:, first_query:first_query + seqlen_q]
     qb, qs = queries_real.nonzero(as_tuple=True)  # real query (row, position), row-major like cu_seqlens
     kb, ks = keys_real.nonzero(as_tuple=True)
     lengths = torch.stack([queries_real.sum(1), keys_real.sum(1)]).to(torch.int32)  # (2, batch)
     cu = F.pad(lengths.cumsum(1, dtype=torch.int32), (1, 0))  # (2, batch + 1)
     max_q, max_k = lengths.max(1).values.tolist()
-    out = flash_attn_varlen_func(q[qb, qs], k[kb, ks], v[kb, ks], cu[0], cu[1], max_q, max_k, **options)
+    packing = (qb, qs, kb, ks, cu[0], cu[1], max_q, max_k)
+    _LAST_PACKING[0] = (attention_mask, key, packing)
+    return packing
+
+
+def _unpadded_attention(q, k, v, packing: tuple, options: dict) -> torch.Tensor:
+    """Gather the real tokens into a packed batch, attend (varlen), scatter back; padded query rows get 0.
+
+    Any mask works. Query i of a row is real iff its key position first_query + i is; with the
+    masks aligned bottom-right per row, real query i sees the real keys up to its position.
+    """
+    qb, qs, kb, ks, cu_q, cu_k, max_q, max_k = packing
+    out = flash_attn_varlen_func(q[qb, qs], k[kb, ks], v[kb, ks], cu_q, cu_k, max_q, max_k, **options)
     return out.new_zeros(q.shape).index_put((qb, qs), out)
 
 
