@@ -174,6 +174,28 @@ def test_a_modified_vouched_tensor_is_checked_again():
                                          cache_seqlens=lens, block_table=table)
 
 
+def test_vouched_offsets_are_not_read_until_changed(monkeypatch):
+    """Offsets a producer built on the host (the transformers integration) carry their facts: the
+    varlen call's value check reads nothing; after an in-place change, or with another total,
+    the check runs again and names the problem."""
+    from tileattn.ops import _validate as V
+
+    cu = V.vouch(torch.tensor([0, 3, 7], dtype=torch.int32), ("cu_seqlens", 7, 4))
+    reads = []
+    value_mode = V.value_mode
+    monkeypatch.setattr(V, "value_mode", lambda t: reads.append(1) or value_mode(t))
+    V.check_cu_seqlens("cu_seqlens_q", cu, 7, 4)
+    assert not reads
+    with pytest.raises(ValueError, match="more than max_seqlen 3"):
+        V.check_cu_seqlens("cu_seqlens_q", cu, 7, 3)
+    with pytest.raises(ValueError, match="end at the number of packed tokens"):
+        V.check_cu_seqlens("cu_seqlens_q", cu, 8, 4)
+    cu[2] = 9  # changed in place: read again
+    with pytest.raises(ValueError, match="end at the number of packed tokens"):
+        V.check_cu_seqlens("cu_seqlens_q", cu, 7, 4)
+    assert len(reads) == 3
+
+
 # ------------------------------------------------------------------ 8: dropout seed
 
 

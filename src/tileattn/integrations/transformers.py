@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops._validate import vouch
 from ..ops.attention import flash_attn_func
 from ..ops.varlen import flash_attn_varlen_func
 
@@ -193,7 +194,10 @@ def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
     lengths = torch.stack([queries_real.sum(1), keys_real.sum(1)]).to(torch.int32)  # (2, batch)
     cu = F.pad(lengths.cumsum(1, dtype=torch.int32), (1, 0))  # (2, batch + 1)
     max_q, max_k = lengths.max(1).values.tolist()
-    packing = (qb, qs, kb, ks, cu[0], cu[1], max_q, max_k)
+    # offsets built here from non-negative counts: the varlen call need not check them on the device
+    cu_q = vouch(cu[0], ("cu_seqlens", qb.numel(), max_q))
+    cu_k = vouch(cu[1], ("cu_seqlens", kb.numel(), max_k))
+    packing = (qb, qs, kb, ks, cu_q, cu_k, max_q, max_k)
     _LAST_PACKING[0] = (attention_mask, key, packing)
     return packing
 
