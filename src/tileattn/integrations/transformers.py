@@ -209,6 +209,10 @@ def _unpadded_attention(q, k, v, packing: tuple, options: dict) -> torch.Tensor:
     masks aligned bottom-right per row, real query i sees the real keys up to its position.
     """
     qb, qs, kb, ks, cu_q, cu_k, max_q, max_k = packing
+    if qb.shape[0] == q.shape[0] * q.shape[1]:  # every query is real (a decoding step): no gather, no scatter
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k[kb, ks], v[kb, ks], cu_q, cu_k, max_q, max_k,
+                                     **options)
+        return out.view(q.shape)
     out = flash_attn_varlen_func(q[qb, qs], k[kb, ks], v[kb, ks], cu_q, cu_k, max_q, max_k, **options)
     return out.new_zeros(q.shape).index_put((qb, qs), out)
 
