@@ -1,0 +1,118 @@
+"""Launcher of the Hopper backward kernels (``kernels/attn_bwd_hopper.py``) and the rule that picks them.
+
+``attn_bwd`` of ``gpu/backward.py`` runs the portable preprocess (delta, lse2) and then, when
+``hopper_bwd_reason`` is None, these two launches instead of the portable dK/dV and dQ kernels.
+Opt-in while the kernels have not run on a GPU: ``TILEATTN_HOPPER_BWD=1`` turns them on.
+
+Two launches of one kernel, one program per block of 128 resident rows (two consumer
+warpgroups of 64 rows and one producer warp):
+
+* dK/dV: a key block of one key/value head; the query tiles of its GROUP query heads stream
+  through the ring. The kernel works in a (rows, columns) frame, so the call is handed over
+  transposed: rows = keys, columns = queries, lengths and window bounds swapped.
+* dQ: a query block of one query head; its key/value head's key tiles stream.
+
+Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
+x d) + STAGES x the two column tiles: dK/dV hdim 128 -> 64 + 2 x 32 KB = 128 KB (3 stages:
+160 KB); dQ hdim 128, 64-key tiles, 3 stages -> 64 + 3 x 32 = 160 KB. Registers: 12 warps, at most
+``MAXNREG`` = 168 per thread on average; setmaxnreg gives each consumer thread
+``CONSUMER_REGS`` = 240 (dK/dV at hdim 128 keeps dK and dV, 2 x 64 fp32 per thread, plus the
+64 x 64 S and dP tiles) and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..contract import AttnParams
+from ..kernels.common import LOG2E
+from ._tuning import interpreting
+from .hopper import MAXNREG, _descriptor, _gluon_available, _is_hopper, _tma_ok
+
+__all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
+
+HOPPER_BWD_TILES = {("dkdv", 64): (64, 3), ("dkdv", 128): (64, 2),
+                    ("dq", 64): (64, 3), ("dq", 128): (64, 3)}  # (kind, head_dim) -> (column tile, STAGES)
+ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def hopper_bwd_enabled() -> bool:
+    return os.environ.get("TILEATTN_HOPPER_BWD", "0") in ("1", "true", "yes")
+
+
+def hopper_bwd_reason(dout, q, k, v, params: AttnParams, *, alibi_slopes=None, varlen: bool = False) -> str | None:
+    """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
+    (one short phrase). dlse and learnable sinks only change the preprocess, which both paths share."""
+    if not hopper_bwd_enabled():
+        return "TILEATTN_HOPPER_BWD not set"
+    if q.device.type != "cuda" or interpreting():
+        return "not a CUDA device"
+    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "not sm_90"
+    if not _gluon_available():
+        return "Triton has no Gluon"
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout)):
+        return f"dtypes {q.dtype} / {k.dtype} / {v.dtype} / {dout.dtype}"
+    if ("dq", q.shape[-1]) not in HOPPER_BWD_TILES or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} / {v.shape[-1]}"
+    seq_dim = 0 if varlen else 1
+    if q.shape[0] == 0 or q.shape[seq_dim] == 0 or k.shape[seq_dim] == 0:
+        return "empty batch, queries or keys"
+    if not params.softmax_scale > 0:
+        return "softmax_scale <= 0"
+    if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
+        return "softcap / ALiBi / dropout"
+    if not all(_tma_ok(t) for t in (q, k, v, dout)):
+        return "strides not 16-byte aligned"
+    return None
+
+
+def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
+                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+    """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
+    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``."""
+    from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
+
+    varlen = cu_seqlens_q is not None
+    if varlen:  # packed (T, H, D) tensors seen as batch 1 by the descriptors
+        batch = cu_seqlens_q.shape[0] - 1
+        seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]
+        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
+        q, k, v, dout = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dout.unsqueeze(0)
+        dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+        w_strides = (0, lse2.stride(0))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        w_strides = (lse2.stride(0), lse2.stride(1))
+    assert lse2.stride(-1) == 1 and delta.stride() == lse2.stride()
+    nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
+    group = nheads // nheads_k
+    left, right = params.window_left, params.window_right
+    scale = float(params.softmax_scale)
+    common = dict(num_warps=4, maxnreg=MAXNREG, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                  GROUP=group, IS_VARLEN=varlen)
+    rows = (1, ROWS_WG, 1, head_dim)
+
+    def strides(t):  # (batch, row, head) strides of an output; packed outputs are one batch
+        return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
+
+    # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
+    cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
+    _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
+        _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
+        _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
+        *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
+        right, left, COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
+        **common)
+    # dQ: rows = queries, columns = keys
+    cols, stages = HOPPER_BWD_TILES["dq", head_dim]
+    _attn_bwd_hopper_kernel[(-(-seqlen_q // (2 * ROWS_WG)), nheads, batch)](
+        _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
+        _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+        *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
+        left, right, COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
+        **common)
