@@ -44,9 +44,11 @@ def hopper_bwd_enabled() -> bool:
     return os.environ.get("TILEATTN_HOPPER_BWD", "0") in ("1", "true", "yes")
 
 
-def hopper_bwd_reason(dout, q, k, v, params: AttnParams, *, alibi_slopes=None, varlen: bool = False) -> str | None:
+def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
+                      varlen: bool = False) -> str | None:
     """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
-    (one short phrase). dlse and learnable sinks only change the preprocess, which both paths share."""
+    (one short phrase). dlse and learnable sinks only change the preprocess, which both paths
+    share; ``deterministic`` needs nothing (no atomics, one tile configuration)."""
     if not hopper_bwd_enabled():
         return "TILEATTN_HOPPER_BWD not set"
     if q.device.type != "cuda" or interpreting():
@@ -55,8 +57,8 @@ def hopper_bwd_reason(dout, q, k, v, params: AttnParams, *, alibi_slopes=None, v
         return "not sm_90"
     if not _gluon_available():
         return "Triton has no Gluon"
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout)):
-        return f"dtypes {q.dtype} / {k.dtype} / {v.dtype} / {dout.dtype}"
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout, dq, dk, dv)):
+        return "dtypes " + " / ".join(str(t.dtype) for t in (q, k, v, dout, dq, dk, dv))
     if ("dq", q.shape[-1]) not in HOPPER_BWD_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]} / {v.shape[-1]}"
     seq_dim = 0 if varlen else 1
