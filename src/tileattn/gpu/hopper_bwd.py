@@ -13,11 +13,14 @@ warpgroups of 64 rows and one producer warp):
 * dQ: a query block of one query head; its key/value head's key tiles stream.
 
 Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
-x d) + STAGES x the two column tiles: dK/dV hdim 128 -> 64 + 2 x 32 KB = 128 KB (3 stages:
-160 KB); dQ hdim 128, 64-key tiles, 3 stages -> 64 + 3 x 32 = 160 KB. Registers: 12 warps, at most
-``MAXNREG`` = 168 per thread on average; setmaxnreg gives each consumer thread
-``CONSUMER_REGS`` = 240 (dK/dV at hdim 128 keeps dK and dV, 2 x 64 fp32 per thread, plus the
-64 x 64 S and dP tiles) and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384).
+x d) + STAGES x the two column tiles; registers, not shared memory, hold one program per SM, so
+the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB (hdim
+64: 32 + 4 x 16 = 96 KB); dQ hdim 128, 128 keys x 2 stages -> 64 + 128 = 192 KB (hdim 64: 32 + 3
+x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV in registers (2 x 64 fp32 per thread
+at hdim 128) a 128-wide S^T and dP^T tile would spill. Registers: 12 warps, at most ``MAXNREG``
+= 168 per thread on average; setmaxnreg gives each consumer thread ``CONSUMER_REGS`` = 240 and
+the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384); ptxas reports no spill in the loops
+(tests/hopper_compile.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from .hopper import MAXNREG, _descriptor, _gluon_available, _is_hopper, _tma_ok
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
-HOPPER_BWD_TILES = {("dkdv", 64): (64, 3), ("dkdv", 128): (64, 2),
-                    ("dq", 64): (64, 3), ("dq", 128): (64, 3)}  # (kind, head_dim) -> (column tile, STAGES)
+HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3),
+                    ("dq", 64): (128, 3), ("dq", 128): (128, 2)}  # (kind, head_dim) -> (column tile, STAGES)
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)

@@ -211,10 +211,11 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2
                     ds = p * (y - delta[:, None])  # [ROWS, BLOCK_C] dS
                 ds_op = gl.convert_layout(ds.to(dtype), op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
+                # the register operands stay live until their products are done
                 if DKDV:
-                    acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2))
+                    acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
                 else:
-                    acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+                    acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
                 mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
         rows_left = seqlen_r - row0
