@@ -49,8 +49,13 @@ def _block(CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right
     """The program's rows: (b, b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi,
     valid). Rows [m_start, m_start + BLOCK_R) of sequence ``b`` (whose packed rows and columns
     start at r_start, c_start), column tiles [n_lo, n_hi); a packed sequence shorter than
-    m_start is not valid. Every partition calls this."""
-    m_start = gl.program_id(0) * BLOCK_R
+    m_start is not valid. Heaviest blocks first (the hardware hands the next program to the
+    first free SM): causal dK/dV's first key blocks, causal dQ's last query blocks. Every
+    partition calls this."""
+    blk = gl.program_id(0)
+    if MASK_RIGHT and not MASK_LEFT:  # causal dQ: the last rows see the most columns, launch them first
+        blk = gl.num_programs(0) - 1 - blk
+    m_start = blk * BLOCK_R
     b = gl.program_id(2)
     if IS_VARLEN:
         r_start = gl.load(CuSeqlensR + b)
