@@ -96,6 +96,19 @@ def compile_launch(fn, args, kwargs):
                           options=options)
 
 
+def wgmma_serialised(compiled) -> bool:
+    """True when ptxas made every wgmma wait for the previous one (each HGMMA carries the
+    scoreboard wait ``gsb0``): what it does, with only a warning Triton hides, when the
+    accumulators do not fit in the registers the pipeline needs."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    return bool(hgmma) and all("gsb0" in line for line in hgmma)
+
+
 def registers(compiled) -> str:
     """'REG:n STACK:bytes' of the cubin, read by the cuobjdump that Triton ships (spills show as STACK)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -277,9 +290,9 @@ def hopper_cases():
 
 
 def hopper_bwd_cases():
-    """The Gluon backward (dK/dV and dQ launches) through its launcher: each head dim and 16-bit
-    dtype, no mask, causal (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4,
-    dense and packed."""
+    """The Gluon backward through its launcher, default (dK/dV with dQ reductions) and
+    deterministic (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
+    (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed."""
     g = torch.Generator().manual_seed(3)
     cases = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -296,8 +309,9 @@ def hopper_bwd_cases():
                                   cu_seqlens_k=torch.tensor([0, 300, 700], dtype=torch.int32), max_seqlen_q=350,
                                   max_seqlen_k=400)
                 name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
-                cases.append((name, (dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                                     ws, ws.clone()), kwargs))
+                for deterministic in (False, True):
+                    cases.append((name, (dout, q, k, v, torch.empty_like(q), torch.empty_like(k),
+                                         torch.empty_like(v), ws, ws.clone()), dict(kwargs, deterministic=deterministic)))
     return cases
 
 
@@ -348,7 +362,8 @@ def main() -> int:
     for name, tensors, kwargs in hopper_bwd_cases():
         launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
                                  *tensors, **kwargs)
-        todo += [(f"{name} {'dkdv' if launch[2]['DKDV'] else 'dq'}", *launch) for launch in launches]
+        kinds = {(True, True): "dkdv+dq", (True, False): "dkdv", (False, False): "dq"}
+        todo += [(f"{name} {kinds[launch[2]['DKDV'], launch[2]['DQ_REDUCE']]}", *launch) for launch in launches]
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
@@ -370,6 +385,8 @@ def main() -> int:
             stack = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
             if gluon and stack > GLUON_STACK_LIMIT:  # the warp-specialised kernel's register split must hold
                 verdict = f"FAIL spills ({usage})"
+            elif gluon and wgmma_serialised(compiled):
+                verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

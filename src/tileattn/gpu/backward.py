@@ -218,6 +218,7 @@ class BwdPlan:
         tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
         self.kernels = []
         self.max_seqlens = (max_seqlen_q, max_seqlen_k)
+        self.deterministic = deterministic
         if self.hopper:  # the Gluon kernels replace both launches (hopper_attn_bwd, in run)
             return
         if seqlen_k > 0:
@@ -255,7 +256,7 @@ class BwdPlan:
         if self.hopper:
             hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
-                            max_seqlen_k=self.max_seqlens[1])
+                            max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
         for kernel in self.kernels:
             grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,

@@ -36,9 +36,11 @@ from .hopper import MAXNREG, _descriptor, _gluon_available, _is_hopper, _tma_ok
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
-HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3),
-                    ("dq", 64): (128, 3), ("dq", 128): (128, 2)}  # (kind, head_dim) -> (column tile, STAGES)
+# (kind, head_dim) -> (column tile, STAGES); "dkdv+dq": dK/dV that also reduces dQ (DQ_REDUCE)
+HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3), ("dq", 64): (128, 3), ("dq", 128): (128, 2),
+                    ("dkdv+dq", 64): (64, 4), ("dkdv+dq", 128): (64, 3)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
+DQ_N = 64  # columns of dQ made and reduced at a time by the dK/dV kernel (DQ_REDUCE)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -76,10 +78,22 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     return None
 
 
+def _fp32_descriptor(t: torch.Tensor, block: tuple[int, ...]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+
+
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False) -> None:
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
-    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``."""
+    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
+
+    By default one launch: dK/dV, with dQ added to an fp32 workspace by bulk reductions (5
+    matrix products per tile; the order of the additions varies from run to run). With
+    ``deterministic`` two: dK/dV, then dQ by a pass of its own (7 products, bitwise reproducible)."""
     from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -106,18 +120,27 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
         return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
 
     # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
-    cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
+    kind = "dkdv" if deterministic else "dkdv+dq"
+    cols, stages = HOPPER_BWD_TILES[kind, head_dim]
+    dq_desc = None
+    if not deterministic:  # the (tokens, heads x head_dim) fp32 matrix the kernel's reductions add to
+        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, DQ_N))
     _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
-        _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
+        _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
         *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
-        right, left, COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
-        **common)
+        right, left, COL_PASSES=group, DKDV=True, DQ_REDUCE=not deterministic, MASK_LEFT=right >= 0,
+        MASK_RIGHT=left >= 0, STAGES=stages, **common)
+    if not deterministic:
+        torch.mul(dq_acc, scale, out=dq_acc)
+        dq.copy_(dq_acc.view(dq.shape))
+        return
     # dQ: rows = queries, columns = keys
     cols, stages = HOPPER_BWD_TILES["dq", head_dim]
     _attn_bwd_hopper_kernel[(-(-seqlen_q // (2 * ROWS_WG)), nheads, batch)](
         _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
-        _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+        _descriptor(v, (1, cols, 1, head_dim)), None, dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
-        left, right, COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
-        **common)
+        left, right, COL_PASSES=1, DKDV=False, DQ_REDUCE=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0,
+        STAGES=stages, **common)
