@@ -309,9 +309,10 @@ def hopper_bwd_cases():
                                   cu_seqlens_k=torch.tensor([0, 300, 700], dtype=torch.int32), max_seqlen_q=350,
                                   max_seqlen_k=400)
                 name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
+                grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
                 for deterministic in (False, True):
-                    cases.append((name, (dout, q, k, v, torch.empty_like(q), torch.empty_like(k),
-                                         torch.empty_like(v), ws, ws.clone()), dict(kwargs, deterministic=deterministic)))
+                    cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()),
+                                  dict(kwargs, deterministic=deterministic)))
     return cases
 
 

@@ -87,7 +87,8 @@ def _fp32_descriptor(t: torch.Tensor, block: tuple[int, ...]):
 
 
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False) -> None:
+                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                    deterministic: bool = False) -> None:
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
     (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
 
