@@ -8,7 +8,8 @@ tensors: SDPA and Flex take transposed (B, H, S, D) views of tileattn's (B, S, H
 "tileattn" is the default dispatch (the Gluon kernel for Hopper where it applies: the printed
 path says which forward ran), "tileattn tl" the portable Triton kernel (``TILEATTN_HOPPER=0``).
 "tileattn hopper-bwd" is "tileattn" with the Gluon backward for Hopper switched on
-(``TILEATTN_HOPPER_BWD=1`` while its backward runs); opt-in, so only when named in ``--impls``.
+(``TILEATTN_HOPPER_BWD=1`` while its backward runs; dQ by reductions), "tileattn hopper-bwd det"
+the same with ``deterministic=True`` (dQ by a second pass); opt-in, so only when named in ``--impls``.
 
 FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
 seqlen 8192 (``--flex-seqlens`` changes that; ``--quick`` skips it).
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import common
 
-IMPLS = ("tileattn", "tileattn hopper-bwd", "tileattn tl", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex")
-OPT_IN = ("tileattn hopper-bwd",)  # run only when --impls names them
+IMPLS = ("tileattn", "tileattn hopper-bwd", "tileattn hopper-bwd det", "tileattn tl", "sdpa flash", "sdpa cudnn",
+         "sdpa efficient", "flex")
+OPT_IN = ("tileattn hopper-bwd", "tileattn hopper-bwd det")  # run only when --impls names them
 TOKENS, WIDTH = 16384, 2048
 
 
@@ -62,7 +64,7 @@ def make_impl(name: str, causal: bool, seqlen: int, device: str):
         import tileattn
 
         return lambda q, k, v: tileattn.flash_attn_func(q, k, v, causal=causal)
-    if name == "tileattn hopper-bwd":
+    if name.startswith("tileattn hopper-bwd"):
         import os
 
         import tileattn
@@ -81,8 +83,11 @@ def make_impl(name: str, causal: bool, seqlen: int, device: str):
                 os.environ["TILEATTN_HOPPER_BWD"] = ctx.value
                 return grad, None
 
+        det = name.endswith("det")
+
         def hopper_bwd(q, k, v):
-            return Switch.apply(tileattn.flash_attn_func(Switch.apply(q, "0"), k, v, causal=causal), "1")
+            out = tileattn.flash_attn_func(Switch.apply(q, "0"), k, v, causal=causal, deterministic=det)
+            return Switch.apply(out, "1")
 
         return hopper_bwd
     if name == "tileattn tl":

@@ -92,9 +92,18 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (129, 129), (1000, 1000), (300, 1000), (1000, 300),
                                                (129, 257), (1, 200)])
 def test_hopper_backward(head_dim, dtype, causal, seqlen_q, seqlen_k):
-    """Lengths 1, odd, one past a 128-row block, seqlen_q != seqlen_k both ways (causal rows
-    with no key, keys no query sees)."""
+    """The default path (dK/dV with dQ reductions). Lengths 1, odd, one past a 128-row block,
+    seqlen_q != seqlen_k both ways (causal rows with no key, keys no query sees)."""
     _run(seqlen_q * 7 + seqlen_k + head_dim, 2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 1000), (1000, 300), (129, 257)])
+def test_hopper_backward_deterministic(head_dim, causal, seqlen_q, seqlen_k):
+    """``deterministic=True``: dK/dV, then dQ by a launch of its own."""
+    _run(seqlen_q * 5 + seqlen_k + head_dim, 2, seqlen_q, seqlen_k, 4, 4, head_dim, torch.float16, causal=causal,
+         deterministic=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -106,17 +115,21 @@ def test_hopper_rows_without_keys(head_dim):
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_hopper_gqa(group, causal):
-    """A key/value head's dK/dV program walks the query tiles of its whole group."""
-    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal)
+def test_hopper_gqa(group, causal, deterministic):
+    """A key/value head's dK/dV program walks the query tiles of its whole group (and reduces
+    their dQ into every query head of the group)."""
+    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal,
+         deterministic=deterministic)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
-def test_hopper_window(window):
+def test_hopper_window(window, deterministic):
     """Sliding windows: key blocks no query sees (and query tiles a key block skips) at both ends."""
-    _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window)
+    _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window, deterministic=deterministic)
 
 
 def test_hopper_sinks_and_views():
@@ -126,16 +139,17 @@ def test_hopper_sinks_and_views():
 
 
 def test_hopper_deterministic():
-    """No atomics and one tile config: two runs give bitwise the same gradients, with or without
-    ``deterministic=True`` (both take the Hopper kernels)."""
+    """``deterministic=True`` (no reductions, one tile config): two runs give bitwise the same
+    gradients."""
     first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
-    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_long(causal):
+def test_hopper_long(causal, deterministic):
     """4k tokens: the rings wrap many times. Oracle: plain attention in float64 on the GPU (the
     NumPy reference's textbook formula, too slow on the CPU at this size)."""
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -143,19 +157,22 @@ def test_hopper_long(causal):
                      for h in (4, 2, 2, 4))
     out64, lse64 = plain_attention(q.double(), k.double(), v.double(), causal=causal)
     params = AttnParams(128**-0.5, -1, 0 if causal else -1)
-    fast = _backward(dout, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), params)
+    fast = _backward(dout, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), params,
+                     deterministic=deterministic)
     ref = _plain_grads(q.double(), k.double(), v.double(), dout.double(), causal=causal)
     plain = _plain_grads(q, k, v, dout, causal=causal)
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal, group", [(False, 1), (True, 1), (True, 4)])
-def test_hopper_varlen(causal, group):
+def test_hopper_varlen(causal, group, deterministic):
     """Packed sequences (zero-length ones, lengths 1 and prime, keys longer and shorter than
     queries): tiles running past a sequence's end read the next one's rows, which must not leak
-    in (dK/dV: their lse2 is +inf; dQ: the last key tile is masked), and no program may write
-    another sequence's rows. Per-sequence references."""
+    in (dK/dV: their lse2 is +inf, so the dQ they reduce into the next rows is exactly 0; dQ: the
+    last key tile is masked), and no program may write another sequence's rows. Per-sequence
+    references."""
     gen = torch.Generator().manual_seed(group + 10 * causal)
     lens_q = [300, 0, 129, 1023, 1, 640, 5]
     lens_k = [300, 5, 257, 1023, 0, 200, 0]
@@ -182,7 +199,7 @@ def test_hopper_varlen(causal, group):
     params = AttnParams(head_dim**-0.5, -1, 0 if causal else -1)
     fast = _backward(dout.cuda(), q.cuda(), k.cuda(), v.cuda(), out.cuda(), lse.cuda(), params,
                      cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(), max_seqlen_q=max(lens_q),
-                     max_seqlen_k=max(lens_k))
+                     max_seqlen_k=max(lens_k), deterministic=deterministic)
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 

@@ -72,8 +72,9 @@ class _Record:
 @pytest.mark.parametrize("window, varlen", [((-1, -1), False), ((-1, 0), False), ((64, 0), False),
                                             ((-1, 0), True)])
 def test_launches(monkeypatch, window, varlen):
-    """Two launches: dK/dV in the transposed frame (rows = keys: lengths, window bounds and
-    mask flags swapped; GROUP column passes) and dQ (rows = queries)."""
+    """Deterministic, two launches: dK/dV in the transposed frame (rows = keys: lengths, window
+    bounds and mask flags swapped; GROUP column passes) and dQ (rows = queries). By default one:
+    dK/dV with DQ_REDUCE, adding to an fp32 (tokens, heads x dim) matrix, scaled into dq after."""
     record = _Record(attn_bwd_hopper._attn_bwd_hopper_kernel)
     monkeypatch.setattr(attn_bwd_hopper, "_attn_bwd_hopper_kernel", record)
     dout, q, k, v, _, _ = _tensors(batch=2, seqlen_q=300, seqlen_k=350, nheads=8, nheads_k=2, d=128)
@@ -85,9 +86,20 @@ def test_launches(monkeypatch, window, varlen):
                       max_seqlen_k=370)
     ws = torch.empty((8, 600) if varlen else (2, 8, 300))
     left, right = window
+    params = AttnParams(0.1, left, right)
+    dq = torch.full_like(q, float("nan"))
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), ws, ws.clone(),
+                               params=params, **kwargs)
+    (_, args_r, meta_r), = record.launches
+    assert meta_r["DKDV"] and meta_r["DQ_REDUCE"] and args_r["c_desc"].base.data_ptr() == q.data_ptr()
+    tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
+    assert tuple(args_r["dq_desc"].base.shape) == (tokens, 8 * 128) and args_r["dq_desc"].block_shape == [64, 64]
+    assert torch.equal(dq, torch.zeros_like(dq)), "dq is the scaled fp32 workspace (zeros: nothing ran)"
+    record.launches.clear()
     hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
-                               ws.clone(), params=AttnParams(0.1, left, right), **kwargs)
+                               ws.clone(), params=params, deterministic=True, **kwargs)
     (grid_kv, args_kv, meta_kv), (grid_q, args_q, meta_q) = record.launches
+    assert not meta_kv["DQ_REDUCE"] and not meta_q["DQ_REDUCE"] and args_kv["dq_desc"] is None
     len_q, len_k = (500, 370) if varlen else (300, 350)
     assert grid_kv == (math.ceil(len_k / 128), 2, 2) and grid_q == (math.ceil(len_q / 128), 8, 2)
     assert (args_kv["seqlen_r"], args_kv["seqlen_c"]) == (len_k, len_q)

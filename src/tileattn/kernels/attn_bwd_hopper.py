@@ -300,7 +300,7 @@ def _attn_bwd_hopper_kernel(
         ds_smem = gl.allocate_shared_memory(dtype, [2, a_desc.block_type.shape[1], c_desc.block_type.shape[1]],
                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     else:
-        ds_smem = None
+        ds_smem: gl.constexpr = None
     r_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     c_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     d_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
