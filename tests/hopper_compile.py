@@ -292,13 +292,14 @@ def hopper_cases():
 def hopper_bwd_cases():
     """The Gluon backward through its launcher, default (dK/dV with dQ reductions) and
     deterministic (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
-    (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed."""
+    (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
+    or not)."""
     g = torch.Generator().manual_seed(3)
     cases = []
     for dtype in (torch.bfloat16, torch.float16):
         for d in sorted({d for _, d in hopper_bwd_launcher.HOPPER_BWD_TILES}):
             for left, right, group, varlen in ((-1, -1, 1, False), (-1, 0, 4, False), (64, 0, 2, False),
-                                               (-1, 0, 2, True)):
+                                               (-1, 0, 2, True), (-1, -1, 1, True)):
                 shape_q, shape_k = ((600, 8), (700, 8 // group)) if varlen else ((2, 300, 8), (2, 350, 8 // group))
                 q, dout = (torch.randn(*shape_q, d, generator=g).to(dtype) for _ in range(2))
                 k, v = (torch.randn(*shape_k, d, generator=g).to(dtype) for _ in range(2))

@@ -40,7 +40,8 @@ Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, d
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
 past the end get lse2 = +inf (P = 0, dK/dV; their dQ share is exactly 0, so the reductions may
 add it to whatever rows follow) or are masked (dQ's last key tile, always in the masked range);
-rows past the end are computed and not stored.
+rows past the end are computed and not stored (with DQ_REDUCE, packed keys past a sequence's end
+get dS = 0 so they stay out of its dQ; a dense tile's are zeros already).
 """
 
 from triton.experimental import gluon
@@ -242,6 +243,9 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, d
                     p = gl.exp2(x * scale_log2 - lse2[:, None])  # [ROWS, BLOCK_C] P
                     y = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok,))
                     ds = p * (y - delta[:, None])  # [ROWS, BLOCK_C] dS
+                if IS_VARLEN and DQ_REDUCE:
+                    if row0 + ROWS > seqlen_r:  # keys past the sequence's end are the next one's: not in its dQ
+                        ds = gl.where((r_pos < seqlen_r)[:, None], ds, 0.0)
                 ds16 = ds.to(dtype)
                 ds_op = gl.convert_layout(ds16, op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
