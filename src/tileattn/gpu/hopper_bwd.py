@@ -1,26 +1,31 @@
 """Launcher of the Hopper backward kernels (``kernels/attn_bwd_hopper.py``) and the rule that picks them.
 
 ``attn_bwd`` of ``gpu/backward.py`` runs the portable preprocess (delta, lse2) and then, when
-``hopper_bwd_reason`` is None, these two launches instead of the portable dK/dV and dQ kernels.
+``hopper_bwd_reason`` is None, these launches instead of the portable dK/dV and dQ kernels.
 Opt-in while the kernels have not run on a GPU: ``TILEATTN_HOPPER_BWD=1`` turns them on.
 
-Two launches of one kernel, one program per block of 128 resident rows (two consumer
-warpgroups of 64 rows and one producer warp):
+One kernel, one program per block of 128 resident rows (two consumer warpgroups of 64 rows and
+one producer warp), launched as:
 
 * dK/dV: a key block of one key/value head; the query tiles of its GROUP query heads stream
   through the ring. The kernel works in a (rows, columns) frame, so the call is handed over
-  transposed: rows = keys, columns = queries, lengths and window bounds swapped.
-* dQ: a query block of one query head; its key/value head's key tiles stream.
+  transposed: rows = keys, columns = queries, lengths and window bounds swapped. By default
+  (``DQ_REDUCE``) it also adds each tile's dS K to an fp32 dQ workspace by bulk reductions,
+  which is then scaled into dq: one launch, 5 matrix products per tile.
+* dQ, only with ``deterministic``: a query block of one query head; its key/value head's key
+  tiles stream (S and dP recomputed: 7 products in all, every element written once).
 
 Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
-x d) + STAGES x the two column tiles; registers, not shared memory, hold one program per SM, so
-the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB (hdim
-64: 32 + 4 x 16 = 96 KB); dQ hdim 128, 128 keys x 2 stages -> 64 + 128 = 192 KB (hdim 64: 32 + 3
-x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV in registers (2 x 64 fp32 per thread
-at hdim 128) a 128-wide S^T and dP^T tile would spill. Registers: 12 warps, at most ``MAXNREG``
-= 168 per thread on average; setmaxnreg gives each consumer thread ``CONSUMER_REGS`` = 240 and
-the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384); ptxas reports no spill in the loops
-(tests/hopper_compile.py).
+x d) + STAGES x the two column tiles (+ with DQ_REDUCE two 64 x 64 dS^T tiles and the
+reductions' two 64 x 64 fp32 buffers); registers, not shared memory, hold one program per SM,
+so the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB
+(+ 48 with DQ_REDUCE; hdim 64: 32 + 4 x 16 = 96 KB, + 48); dQ hdim 128, 128 keys x 2 stages ->
+64 + 128 = 192 KB (hdim 64: 32 + 3 x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV
+in registers (2 x 64 fp32 per thread at hdim 128) a 128-wide S^T and dP^T tile spills.
+Registers: 12 warps, at most ``MAXNREG`` = 168 per thread on average; setmaxnreg gives each
+consumer thread ``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x
+384). tests/hopper_compile.py checks every variant for shared memory, spills and serialised
+wgmma.
 """
 
 from __future__ import annotations
