@@ -45,7 +45,6 @@ __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3), ("dq", 64): (128, 3), ("dq", 128): (128, 2),
                     ("dkdv+dq", 64): (64, 4), ("dkdv+dq", 128): (64, 3)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
-DQ_N = 64  # columns of dQ made and reduced at a time by the dK/dV kernel (DQ_REDUCE)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -131,7 +130,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     dq_desc = None
     if not deterministic:  # the (tokens, heads x head_dim) fp32 matrix the kernel's reductions add to
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, DQ_N))
+        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
     _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,

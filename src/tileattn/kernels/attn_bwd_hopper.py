@@ -160,7 +160,7 @@ def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, strid
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, dq_desc, Out1, Out2, Lse2, Delta,
+def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta,
               CuSeqlensR, CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
               stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP: gl.constexpr,
               COL_PASSES: gl.constexpr, DKDV: gl.constexpr, DQ_REDUCE: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -201,7 +201,8 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, d
             lse2 = gl.load(Lse2 + w_rows, mask=r_pos < seqlen_r, other=float("inf"))  # [ROWS]
             delta = gl.load(Delta + w_rows, mask=r_pos < seqlen_r, other=0.0)  # [ROWS]
         if DQ_REDUCE:
-            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
+            ds_smem, ds_ready = ds_bufs
+            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # HEAD_DIM / 2: each warpgroup's half of dQ
             dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, DQ_N, 16])
             dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
@@ -236,9 +237,11 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, d
                     lse2 = gl.convert_layout(lse2_c, col_x)  # [BLOCK_C]
                     p = gl.exp2(x * scale_log2 - lse2[None, :])  # [ROWS, BLOCK_C] P^T
                     p_op = gl.convert_layout(p.to(dtype), op_layout)
-                    acc2 = warpgroup_mma(p_op, d_tile, acc2, is_async=True)  # dV += P^T dO
-                    y = warpgroup_mma_wait(num_outstanding=1, deps=(y_tok,))  # dV still running
+                    y = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok,))
                     ds = p * (y - gl.convert_layout(delta_c, col_x)[None, :])  # [ROWS, BLOCK_C] dS^T
+                    # dV's product issued only now, with dK's: P and dP^T in fp32 are then dead, which
+                    # keeps the peak below dK + dV + 4 score tiles
+                    acc2 = warpgroup_mma(p_op, d_tile, acc2, is_async=True)  # dV += P^T dO
                 else:
                     p = gl.exp2(x * scale_log2 - lse2[:, None])  # [ROWS, BLOCK_C] P
                     y = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok,))
@@ -250,17 +253,25 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, d
                 ds_op = gl.convert_layout(ds16, op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
                 # the register operands stay live until their products are done
-                if DQ_REDUCE:  # this warpgroup's keys' share of the tile's dQ, dS K, once dK and dV are done:
-                    # dS^T goes through shared memory, and dQ is made and reduced DQ_N columns at a time
-                    # (with dK and dV held, a full [64, HEAD_DIM] fp32 tile serialises every wgmma)
-                    ds_buf = ds_smem.index(WG)  # [ROWS, BLOCK_C]
-                    ds_buf.store(ds16)
+                if DQ_REDUCE:  # the tile's dQ, dS K over the block's 128 keys: both warpgroups put their
+                    # dS^T rows in one shared tile, then each forms half of dQ's columns and adds them to the
+                    # fp32 workspace. Two such tiles, used in turn: a warpgroup overwrites tile u only after
+                    # the other arrived for the next column tile, so after it finished reading tile u.
+                    u = c % 2
+                    ds_buf = ds_smem.index(u)  # [2 * ROWS, BLOCK_C]
+                    ds_buf.slice(WG * ROWS, ROWS, dim=0).store(ds16)
                     fence_async_shared()
+                    gl.thread_barrier()  # every thread's rows stored before the (single) arrival
+                    mbarrier.arrive(ds_ready.index(u), count=1)
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
-                    for j in gl.static_range(HEAD_DIM // DQ_N):
-                        dq = warpgroup_mma(ds_buf.permute((1, 0)), a_tile.slice(j * DQ_N, DQ_N, dim=1), dq_zero,
-                                           use_acc=False)  # [BLOCK_C, DQ_N]
-                        _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + j * DQ_N], dq)
+                    mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
+                    dq = dq_zero
+                    for w in gl.static_range(2):  # the keys of warpgroup w: dS[:, keys_w] K[keys_w, half]
+                        k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
+                        dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
+                                           use_acc=w > 0, is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # [BLOCK_C, DQ_N]
+                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], dq)
                 elif DKDV:
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
                 else:
@@ -300,11 +311,15 @@ def _attn_bwd_hopper_kernel(
     b_smem = gl.allocate_shared_memory(dtype, [2] + b_desc.block_type.shape, b_desc.layout)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
     d_ring = gl.allocate_shared_memory(dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
-    if DQ_REDUCE:  # each warpgroup's dS^T tile, the A operand of its dQ product
-        ds_smem = gl.allocate_shared_memory(dtype, [2, a_desc.block_type.shape[1], c_desc.block_type.shape[1]],
+    if DQ_REDUCE:  # two [128 keys, BLOCK_C] dS^T tiles, the A operand of the dQ products, and their barriers
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * a_desc.block_type.shape[1], c_desc.block_type.shape[1]],
                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' rows are in
+        ds_bufs = (ds_smem, ds_ready)
     else:
-        ds_smem: gl.constexpr = None
+        ds_bufs: gl.constexpr = None
     r_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     c_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     d_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -317,11 +332,11 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     bars = (r_full, c_full, d_full, empty)
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
+        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
                      DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, ds_smem, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
+        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
                      DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
