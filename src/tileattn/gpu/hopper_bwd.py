@@ -130,7 +130,10 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     dq_desc = None
     if not deterministic:  # the (tokens, heads x head_dim) fp32 matrix the kernel's reductions add to
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
+        # hdim 128: each warpgroup reduces half of the columns (over all keys); a 32-column half at
+        # hdim 64 would cut a 128-byte swizzle atom of k's tile, so there each reduces all 64 (over its keys)
+        dq_cols = head_dim // 2 if head_dim >= 128 else head_dim
+        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, dq_cols))
     _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,

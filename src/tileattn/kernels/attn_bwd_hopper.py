@@ -202,7 +202,8 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
             delta = gl.load(Delta + w_rows, mask=r_pos < seqlen_r, other=0.0)  # [ROWS]
         if DQ_REDUCE:
             ds_smem, ds_ready = ds_bufs
-            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # HEAD_DIM / 2: each warpgroup's half of dQ
+            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # the columns of dQ a warpgroup reduces
+            SPLIT: gl.constexpr = DQ_N < HEAD_DIM
             dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, DQ_N, 16])
             dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
@@ -253,25 +254,32 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
                 ds_op = gl.convert_layout(ds16, op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
                 # the register operands stay live until their products are done
-                if DQ_REDUCE:  # the tile's dQ, dS K over the block's 128 keys: both warpgroups put their
-                    # dS^T rows in one shared tile, then each forms half of dQ's columns and adds them to the
-                    # fp32 workspace. Two such tiles, used in turn: a warpgroup overwrites tile u only after
-                    # the other arrived for the next column tile, so after it finished reading tile u.
+                if DQ_REDUCE:  # the tile's dQ, dS K: both warpgroups put their dS^T rows in one shared tile;
+                    # with SPLIT each then forms half of dQ's columns over all 128 keys (half the reduction
+                    # traffic), else all columns over its own 64 keys. Two such tiles, used in turn: a
+                    # warpgroup overwrites tile u only after the other arrived for the next column tile,
+                    # so after it finished reading tile u.
                     u = c % 2
                     ds_buf = ds_smem.index(u)  # [2 * ROWS, BLOCK_C]
                     ds_buf.slice(WG * ROWS, ROWS, dim=0).store(ds16)
                     fence_async_shared()
-                    gl.thread_barrier()  # every thread's rows stored before the (single) arrival
-                    mbarrier.arrive(ds_ready.index(u), count=1)
+                    if SPLIT:
+                        gl.thread_barrier()  # every thread's rows stored before the (single) arrival
+                        mbarrier.arrive(ds_ready.index(u), count=1)
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
-                    mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
-                    dq = dq_zero
-                    for w in gl.static_range(2):  # the keys of warpgroup w: dS[:, keys_w] K[keys_w, half]
-                        k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
-                        dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
-                                           use_acc=w > 0, is_async=True)
+                    if SPLIT:
+                        mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
+                    if SPLIT:  # sum over w of dS[:, keys of w] K[keys of w, this warpgroup's half]
+                        dq = dq_zero
+                        for w in gl.static_range(2):  # a 64-column half: one 128-byte swizzle atom of k's rows
+                            k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
+                            dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
+                                               use_acc=w > 0, is_async=True)
+                    else:  # dS[:, own keys] K[own keys, :]
+                        dq = warpgroup_mma(ds_buf.slice(WG * ROWS, ROWS, dim=0).permute((1, 0)), a_tile, dq_zero,
+                                           use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # [BLOCK_C, DQ_N]
-                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], dq)
+                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + SPLIT * WG * DQ_N], dq)
                 elif DKDV:
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
                 else:
