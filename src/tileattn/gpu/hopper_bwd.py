@@ -16,10 +16,10 @@ one producer warp), launched as:
   tiles stream (S and dP recomputed: 7 products in all, every element written once).
 
 Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
-x d) + STAGES x the two column tiles (+ with DQ_REDUCE two 64 x 64 dS^T tiles and the
-reductions' two 64 x 64 fp32 buffers); registers, not shared memory, hold one program per SM,
-so the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB
-(+ 48 with DQ_REDUCE; hdim 64: 32 + 4 x 16 = 96 KB, + 48); dQ hdim 128, 128 keys x 2 stages ->
+x d) + STAGES x the two column tiles (+ with DQ_REDUCE two 128 x 64 dS^T tiles and the
+reductions' two 64 x 64 fp32 buffers, 64 KB); registers, not shared memory, hold one program
+per SM, so the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 =
+160 KB (224 with DQ_REDUCE; hdim 64: 32 + 4 x 16 = 96 KB, 160); dQ hdim 128, 128 keys x 2 stages ->
 64 + 128 = 192 KB (hdim 64: 32 + 3 x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV
 in registers (2 x 64 fp32 per thread at hdim 128) a 128-wide S^T and dP^T tile spills.
 Registers: 12 warps, at most ``MAXNREG`` = 168 per thread on average; setmaxnreg gives each

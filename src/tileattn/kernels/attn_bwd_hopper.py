@@ -28,13 +28,15 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ, two ways. ``DQ_REDUCE`` (the default): the dK/dV program also forms its keys' share of dQ
-for each query tile, dS K (dS^T stored to shared memory as the A operand, 64 columns of dQ at a
-time), and adds it to an fp32 workspace with bulk asynchronous reductions
-(``cp.reduce.async.bulk``): 5 matrix products per tile, as in FlashAttention 2/3, but the order
-of the additions varies from run to run. Otherwise (``deterministic``) a second launch computes
-dQ per query block, recomputing S and dP (7 products); every gradient element is then written
-once, by one program summing in a fixed order, and the gradients are bitwise reproducible.
+dQ, two ways. ``DQ_REDUCE`` (the default): the dK/dV program also forms each query tile's dQ
+share, dS K: both warpgroups store their dS^T rows into one shared [128 keys, BLOCK_C] tile
+(two of them, used in turn, with an mbarrier each), then at hdim 128 each warpgroup multiplies
+it by its half of k's columns, at hdim 64 its own rows by all of them, and adds the fp32 result
+to a workspace with a bulk asynchronous reduction (``cp.reduce.async.bulk``): 5 matrix products
+per tile, as in FlashAttention 2/3, but the order of the additions varies from run to run.
+Otherwise (``deterministic``) a second launch computes dQ per query block, recomputing S and
+dP (7 products); every gradient element is then written once, by one program summing in a
+fixed order, and the gradients are bitwise reproducible.
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
