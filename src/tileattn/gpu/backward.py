@@ -134,7 +134,9 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
 
     On Hopper, with ``TILEATTN_HOPPER_BWD=1`` (opt-in until its GPU tests pass) and where
     ``hopper_bwd_reason`` allows, the Gluon kernels of ``gpu/hopper_bwd.py`` replace the dK/dV
-    and dQ launches (same preprocess; they are deterministic too, with one fixed tile config).
+    and dQ launches (same preprocess). Their default adds dQ by reductions, whose order varies
+    from run to run; with ``deterministic=True`` they compute dQ in a pass of its own and are
+    bitwise reproducible like the portable kernels (one fixed tile config).
     """
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
