@@ -145,9 +145,9 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, ba
 @gluon.jit
 def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, stride_h):
     """Write the fp32 ``acc`` [ROWS, HEAD_DIM] to rows row0.. of (batch b, head h), the first
-    ``rows_left`` of them, in the output's dtype (the inputs'). It goes through ``smem`` (this
-    warpgroup's own rows tile, free after its last wgmma), so each thread then writes 16-byte
-    vectors with a few addresses live instead of one per element."""
+    ``rows_left`` of them, in the output's dtype (the inputs'). It goes through ``smem`` (a rows
+    tile only this warpgroup reads, free after its last wgmma), so each thread then writes
+    16-byte vectors with a few addresses live instead of one per element."""
     ROWS: gl.constexpr = acc.type.shape[0]
     HEAD_DIM: gl.constexpr = acc.type.shape[1]
     smem.store(acc.to(smem.dtype))
@@ -211,6 +211,9 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
             dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
             dq_row0 = bd * seqlen_c + c_start  # the first query's row of the (tokens, heads x dim) workspace
         mbarrier.wait(r_full.index(WG), 0)
+        if DQ_REDUCE:
+            if SPLIT:  # the other warpgroup's k rows are read too
+                mbarrier.wait(r_full.index(1 - WG), 0)
         c = 0  # column tiles consumed so far
         for g in range(COL_PASSES):
             h_col = _col_head(h_row, g, GROUP, DKDV)
@@ -288,8 +291,10 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
                     acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
                 mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
+        # both through this warpgroup's B tile: its A tile (k) may still be read by the other
+        # warpgroup's last dQ products
         rows_left = seqlen_r - row0
-        _store_rows(Out1, acc1 * scale, a_tile, b, h_row, r_start + row0, rows_left, stride_1b, stride_1s, stride_1h)
+        _store_rows(Out1, acc1 * scale, b_tile, b, h_row, r_start + row0, rows_left, stride_1b, stride_1s, stride_1h)
         if DKDV:
             _store_rows(Out2, acc2, b_tile, b, h_row, r_start + row0, rows_left, stride_2b, stride_2s, stride_2h)
 
