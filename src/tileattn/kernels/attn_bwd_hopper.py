@@ -272,6 +272,7 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
                         gl.thread_barrier()  # every thread's rows stored before the (single) arrival
                         mbarrier.arrive(ds_ready.index(u), count=1)
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
+                    mbarrier.arrive(empty.index(slot), count=1)  # the dQ product reads no ring slot
                     if SPLIT:
                         mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
                     if SPLIT:  # sum over w of dS[:, keys of w] K[keys of w, this warpgroup's half]
@@ -287,9 +288,10 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
                     _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + SPLIT * WG * DQ_N], dq)
                 elif DKDV:
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
+                    mbarrier.arrive(empty.index(slot), count=1)
                 else:
                     acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
-                mbarrier.arrive(empty.index(slot), count=1)
+                    mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
         # both through this warpgroup's B tile: its A tile (k) may still be read by the other
         # warpgroup's last dQ products
