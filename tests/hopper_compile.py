@@ -314,12 +314,21 @@ def hopper_bwd_cases():
                 for deterministic in (False, True):
                     cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()),
                                   dict(kwargs, deterministic=deterministic)))
+    # one query row, one head: lengths and strides equal to 1 become constants in a real launch
+    q, dout = (torch.randn(1, 1, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 200, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    ws = torch.empty(1, 1, 1)
+    for deterministic in (False, True):
+        cases.append(("hopper bwd torch.bfloat16 d128 window (-1, 0) GQA 1 seqlen_q 1",
+                      (dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws, ws.clone()),
+                      dict(params=AttnParams(128**-0.5, -1, 0), deterministic=deterministic)))
     return cases
 
 
 def compile_gluon(fn, args, kwargs):
     """Compile one recorded launch of a Gluon kernel for Hopper: tensor descriptors enter the
-    signature with their block shape and shared-memory layout."""
+    signature with their block shape and shared-memory layout; integers equal to 1 are folded
+    into constants, as a real launch specialises them."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -329,7 +338,7 @@ def compile_gluon(fn, args, kwargs):
     signature, constexprs = {}, {}
     for name, param in zip(names, fn.params):
         value = bound[name]
-        if param.is_constexpr or value is None:
+        if param.is_constexpr or value is None or (type(value) is int and value == 1 and not param.do_not_specialize):
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, TensorDescriptor):
             dtype = _PTR[value.base.dtype][1:]
