@@ -36,8 +36,9 @@ def build_cases(args) -> list[dict]:
         windows = (FULL, 1024) if args.quick else (FULL, 4096, 1024, 256)
         flex = () if args.quick else (FULL, 1024)
     full = visible_pairs(s, FULL)
-    return [dict(seqlen=s, batch=b, nheads=h, hdim=d, causal=True, window=w, pairs_ratio=visible_pairs(s, w) / full,
-                 flops=4.0 * b * h * d * visible_pairs(s, w), flex=w in flex) for w in windows]
+    return [dict(seqlen=s, batch=b, nheads=h, hdim=d, hdim_v=d, causal=True, window=w,
+                 pairs_ratio=visible_pairs(s, w) / full, flops=4.0 * b * h * d * visible_pairs(s, w), flex=w in flex)
+            for w in windows]
 
 
 def make_impl(name: str, case: dict, device: str):

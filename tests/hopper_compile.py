@@ -37,8 +37,9 @@ from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
+from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
 from tileattn.gpu import kvcache as append_launcher  # noqa: E402
-from tileattn.kernels import attn_fwd_hopper  # noqa: E402
+from tileattn.kernels import attn_bwd_hopper, attn_fwd_hopper  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -93,6 +94,19 @@ def compile_launch(fn, args, kwargs):
             signature[name] = "fp32"
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                           options=options)
+
+
+def wgmma_serialised(compiled) -> bool:
+    """True when ptxas made every wgmma wait for the previous one (each HGMMA carries the
+    scoreboard wait ``gsb0``): what it does, with only a warning Triton hides, when the
+    accumulators do not fit in the registers the pipeline needs."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    return bool(hgmma) and all("gsb0" in line for line in hgmma)
 
 
 def registers(compiled) -> str:
@@ -291,9 +305,46 @@ def hopper_cases():
     return cases
 
 
+def hopper_bwd_cases():
+    """The Gluon backward through its launcher, default (dK/dV with dQ reductions) and
+    deterministic (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
+    (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
+    or not)."""
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in sorted({d for _, d in hopper_bwd_launcher.HOPPER_BWD_TILES}):
+            for left, right, group, varlen in ((-1, -1, 1, False), (-1, 0, 4, False), (64, 0, 2, False),
+                                               (-1, 0, 2, True), (-1, -1, 1, True)):
+                shape_q, shape_k = ((600, 8), (700, 8 // group)) if varlen else ((2, 300, 8), (2, 350, 8 // group))
+                q, dout = (torch.randn(*shape_q, d, generator=g).to(dtype) for _ in range(2))
+                k, v = (torch.randn(*shape_k, d, generator=g).to(dtype) for _ in range(2))
+                ws = torch.empty((8, 600) if varlen else (2, 8, 300))  # lse2 and delta
+                kwargs = dict(params=AttnParams(d**-0.5, left, right))
+                if varlen:
+                    kwargs.update(cu_seqlens_q=torch.tensor([0, 250, 600], dtype=torch.int32),
+                                  cu_seqlens_k=torch.tensor([0, 300, 700], dtype=torch.int32), max_seqlen_q=350,
+                                  max_seqlen_k=400)
+                name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
+                grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+                for deterministic in (False, True):
+                    cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()),
+                                  dict(kwargs, deterministic=deterministic)))
+    # one query row, one head: lengths and strides equal to 1 become constants in a real launch
+    q, dout = (torch.randn(1, 1, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 200, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    ws = torch.empty(1, 1, 1)
+    for deterministic in (False, True):
+        cases.append(("hopper bwd torch.bfloat16 d128 window (-1, 0) GQA 1 seqlen_q 1",
+                      (dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws, ws.clone()),
+                      dict(params=AttnParams(128**-0.5, -1, 0), deterministic=deterministic)))
+    return cases
+
+
 def compile_gluon(fn, args, kwargs):
     """Compile one recorded launch of a Gluon kernel for Hopper: tensor descriptors enter the
-    signature with their block shape and shared-memory layout."""
+    signature with their block shape and shared-memory layout; integers equal to 1 are folded
+    into constants, as a real launch specialises them."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -303,7 +354,7 @@ def compile_gluon(fn, args, kwargs):
     signature, constexprs = {}, {}
     for name, param in zip(names, fn.params):
         value = bound[name]
-        if param.is_constexpr or value is None:
+        if param.is_constexpr or value is None or (type(value) is int and value == 1 and not param.do_not_specialize):
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, TensorDescriptor):
             dtype = _PTR[value.base.dtype][1:]
@@ -317,14 +368,15 @@ def compile_gluon(fn, args, kwargs):
     return triton.compile(GluonASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
 
 
-def record_hopper(*args, **kwargs):
+def record_hopper(launcher, module, name, *args, **kwargs):
+    """The launches of Gluon kernel ``module.name`` that ``launcher(*args, **kwargs)`` makes."""
     launches = []
-    original = attn_fwd_hopper._attn_fwd_hopper_kernel
-    attn_fwd_hopper._attn_fwd_hopper_kernel = Recorder(original, launches)
+    original = getattr(module, name)
+    setattr(module, name, Recorder(original, launches))
     try:
-        hopper_launcher.hopper_attn_fwd(*args, **kwargs)
+        launcher(*args, **kwargs)
     finally:
-        attn_fwd_hopper._attn_fwd_hopper_kernel = original
+        setattr(module, name, original)
     return launches
 
 
@@ -332,7 +384,13 @@ def main() -> int:
     failures = 0
     todo = []
     for name, tensors, kwargs in hopper_cases():
-        todo += [(name, *launch) for launch in record_hopper(*tensors, **kwargs)]
+        todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
+                                                             "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
+    for name, tensors, kwargs in hopper_bwd_cases():
+        launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
+                                 *tensors, **kwargs)
+        kinds = {(True, True): "dkdv+dq", (True, False): "dkdv", (False, False): "dq"}
+        todo += [(f"{name} {kinds[launch[2]['DKDV'], launch[2]['DQ_REDUCE']]}", *launch) for launch in launches]
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
@@ -344,7 +402,9 @@ def main() -> int:
         todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
-        gluon = fn is attn_fwd_hopper._attn_fwd_hopper_kernel
+        if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
+            tile["BLOCK_C"] = args[2].block_shape[1]
+        gluon = fn in (attn_fwd_hopper._attn_fwd_hopper_kernel, attn_bwd_hopper._attn_bwd_hopper_kernel)
         try:
             compiled = (compile_gluon if gluon else compile_launch)(fn, args, kwargs)
             shared, usage = compiled.metadata.shared, registers(compiled)
@@ -352,6 +412,8 @@ def main() -> int:
             stack = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
             if gluon and stack > GLUON_STACK_LIMIT:  # the warp-specialised kernel's register split must hold
                 verdict = f"FAIL spills ({usage})"
+            elif gluon and wgmma_serialised(compiled):
+                verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -16,6 +16,7 @@ from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
 from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
+from .hopper_bwd import hopper_attn_bwd, hopper_bwd_reason
 
 __all__ = ["attn_bwd", "clear_plans", "BwdPlan"]
 
@@ -130,10 +131,18 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     the tile configuration (no autotuning), so they match across processes as well.
 
     As the forward's, the launches are planned once per shape class (``BwdPlan``).
+
+    On Hopper, with ``TILEATTN_HOPPER_BWD=1`` (opt-in until its GPU tests pass) and where
+    ``hopper_bwd_reason`` allows, the Gluon kernels of ``gpu/hopper_bwd.py`` replace the dK/dV
+    and dQ launches (same preprocess). Their default adds dQ by reductions, whose order varies
+    from run to run; with ``deterministic=True`` they compute dQ in a pass of its own and are
+    bitwise reproducible like the portable kernels (one fixed tile config).
     """
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
+    hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
+                               varlen=cu_seqlens_q is not None) is None
     key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape[-1], v.stride(), out.stride(), lse.shape, lse.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, dq.dtype, dk.dtype,
            dv.dtype, lse.dtype, q.device,
@@ -143,7 +152,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
            None if dlse is None else (dlse.stride(), dlse.dtype),
            None if learnable_sink is None else learnable_sink.dtype,
            max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
-           params.dropout_p > 0, bool(deterministic))
+           params.dropout_p > 0, bool(deterministic), hopper)
     plan = plan_for(_PLANS, key, BwdPlan)
     plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
              learnable_sink, dsink)
@@ -155,7 +164,7 @@ class BwdPlan:
     def __init__(self, key: tuple):
         (do_stride, q_shape, q_stride, k_shape, k_stride, head_dim_v, v_stride, o_stride, lse_shape, lse_stride,
          dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, dlse, sink, max_seqlen_q, max_seqlen_k,
-         window_left, window_right, has_softcap, has_dropout, deterministic) = key
+         window_left, window_right, has_softcap, has_dropout, deterministic, self.hopper) = key
         q_dtype = dtypes[0]
         varlen = cu_q is not None
         head_dim = q_shape[-1]
@@ -210,6 +219,10 @@ class BwdPlan:
         bucket = length_bucket(seqlen_q, seqlen_k)
         tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
         self.kernels = []
+        self.max_seqlens = (max_seqlen_q, max_seqlen_k)
+        self.deterministic = deterministic
+        if self.hopper:  # the Gluon kernels replace both launches (hopper_attn_bwd, in run)
+            return
         if seqlen_k > 0:
             ints = (*common, *rows(dk_stride), *rows(dv_stride), *tail)
             self.kernels.append(_PlannedKernel(
@@ -242,6 +255,10 @@ class BwdPlan:
         scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
                    int(params.window_right), int(params.dropout_seed) % 2**32, keep_threshold(p),
                    1.0 / (1.0 - p) if p > 0 else 1.0)
+        if self.hopper:
+            hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
+                            max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
         for kernel in self.kernels:
             grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,

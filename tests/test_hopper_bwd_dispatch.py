@@ -1,0 +1,116 @@
+"""The Hopper backward's Python side, on a CPU: the rule that picks it, the way ``attn_bwd``
+routes to it, and the launches its launcher makes (recorded, not run: Gluon kernels need the
+GPU, where tests/test_hopper_bwd.py checks their values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tileattn.contract import AttnParams
+from tileattn.gpu import backward
+from tileattn.gpu import hopper_bwd
+from tileattn.kernels import attn_bwd_hopper
+
+
+def _tensors(batch=1, seqlen_q=70, seqlen_k=90, nheads=4, nheads_k=2, d=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    q, dout, out = (torch.randn(batch, seqlen_q, nheads, d, generator=g).to(dtype) for _ in range(3))
+    k, v = (torch.randn(batch, seqlen_k, nheads_k, d, generator=g).to(dtype) for _ in range(2))
+    lse = torch.randn(batch, nheads, seqlen_q, generator=g) + 5
+    return dout, q, k, v, out, lse
+
+
+def test_reason_needs_the_switch_and_a_gpu(monkeypatch):
+    dout, q, k, v, _, _ = _tensors()
+    args = (dout, q, k, v, q, k, v, AttnParams(0.125, -1, 0))
+    monkeypatch.delenv("TILEATTN_HOPPER_BWD", raising=False)
+    assert hopper_bwd.hopper_bwd_reason(*args) == "TILEATTN_HOPPER_BWD not set"
+    monkeypatch.setenv("TILEATTN_HOPPER_BWD", "1")
+    assert hopper_bwd.hopper_bwd_reason(*args) == "not a CUDA device"
+
+
+def test_attn_bwd_routes_to_the_hopper_launcher(monkeypatch):
+    """With the rule saying yes, attn_bwd runs the shared preprocess and hands its delta and
+    lse2 to hopper_attn_bwd instead of launching the portable dK/dV and dQ kernels."""
+    calls = []
+
+    def fake(dout, q, k, v, dq, dk, dv, lse2, delta, **kwargs):
+        calls.append((lse2.clone(), delta.clone(), kwargs))
+
+    monkeypatch.setattr(backward, "hopper_bwd_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(backward, "hopper_attn_bwd", fake)
+    backward.clear_plans()
+    try:
+        dout, q, k, v, out, lse = _tensors()
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        params = AttnParams(0.125, -1, 0)
+        backward.attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, params=params)
+    finally:
+        backward.clear_plans()
+    assert len(calls) == 1, "hopper_attn_bwd was not called exactly once"
+    lse2, delta, kwargs = calls[0]
+    assert kwargs["params"] == params and kwargs["cu_seqlens_q"] is None
+    assert torch.allclose(lse2, lse * math.log2(math.e))
+    assert torch.allclose(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2), atol=1e-3)
+    assert torch.isnan(dq).all() and torch.isnan(dk).all(), "the portable kernels ran as well"
+
+
+class _Record:
+    """Stands in for the Gluon kernel: ``kernel[grid](*args, **kwargs)`` records."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, dict(zip(self.kernel.arg_names, args)), kwargs))
+
+
+@pytest.mark.parametrize("window, varlen", [((-1, -1), False), ((-1, 0), False), ((64, 0), False),
+                                            ((-1, 0), True)])
+def test_launches(monkeypatch, window, varlen):
+    """Deterministic, two launches: dK/dV in the transposed frame (rows = keys: lengths, window
+    bounds and mask flags swapped; GROUP column passes) and dQ (rows = queries). By default one:
+    dK/dV with DQ_REDUCE, adding to an fp32 (tokens, heads x dim) matrix, scaled into dq after."""
+    record = _Record(attn_bwd_hopper._attn_bwd_hopper_kernel)
+    monkeypatch.setattr(attn_bwd_hopper, "_attn_bwd_hopper_kernel", record)
+    dout, q, k, v, _, _ = _tensors(batch=2, seqlen_q=300, seqlen_k=350, nheads=8, nheads_k=2, d=128)
+    kwargs = {}
+    if varlen:
+        dout, q, k, v = (t.flatten(0, 1) for t in (dout, q, k, v))
+        kwargs = dict(cu_seqlens_q=torch.tensor([0, 100, 600], dtype=torch.int32),
+                      cu_seqlens_k=torch.tensor([0, 330, 700], dtype=torch.int32), max_seqlen_q=500,
+                      max_seqlen_k=370)
+    ws = torch.empty((8, 600) if varlen else (2, 8, 300))
+    left, right = window
+    params = AttnParams(0.1, left, right)
+    dq = torch.full_like(q, float("nan"))
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), ws, ws.clone(),
+                               params=params, **kwargs)
+    (_, args_r, meta_r), = record.launches
+    assert meta_r["DKDV"] and meta_r["DQ_REDUCE"] and args_r["c_desc"].base.data_ptr() == q.data_ptr()
+    tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
+    assert tuple(args_r["dq_desc"].base.shape) == (tokens, 8 * 128) and args_r["dq_desc"].block_shape == [64, 64]
+    assert torch.equal(dq, torch.zeros_like(dq)), "dq is the scaled fp32 workspace (zeros: nothing ran)"
+    record.launches.clear()
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
+                               ws.clone(), params=params, deterministic=True, **kwargs)
+    (grid_kv, args_kv, meta_kv), (grid_q, args_q, meta_q) = record.launches
+    assert not meta_kv["DQ_REDUCE"] and not meta_q["DQ_REDUCE"] and args_kv["dq_desc"] is None
+    len_q, len_k = (500, 370) if varlen else (300, 350)
+    assert grid_kv == (math.ceil(len_k / 128), 2, 2) and grid_q == (math.ceil(len_q / 128), 8, 2)
+    assert (args_kv["seqlen_r"], args_kv["seqlen_c"]) == (len_k, len_q)
+    assert (args_q["seqlen_r"], args_q["seqlen_c"]) == (len_q, len_k)
+    assert (args_kv["window_left"], args_kv["window_right"]) == (right, left)
+    assert (args_q["window_left"], args_q["window_right"]) == (left, right)
+    assert (meta_kv["MASK_LEFT"], meta_kv["MASK_RIGHT"]) == (right >= 0, left >= 0)
+    assert (meta_q["MASK_LEFT"], meta_q["MASK_RIGHT"]) == (left >= 0, right >= 0)
+    assert meta_kv["DKDV"] and meta_kv["COL_PASSES"] == 4 and not meta_q["DKDV"] and meta_q["COL_PASSES"] == 1
+    assert args_kv["a_desc"].base.data_ptr() == k.data_ptr() and args_kv["c_desc"].base.data_ptr() == q.data_ptr()
+    assert args_q["a_desc"].base.data_ptr() == q.data_ptr() and args_q["d_desc"].base.data_ptr() == v.data_ptr()
+    if varlen:  # packed: one batch to the descriptors and the output strides
+        assert args_kv["stride_1b"] == 0 and args_q["stride_1b"] == 0 and args_q["stride_wb"] == 0
+        assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
