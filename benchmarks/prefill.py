@@ -134,7 +134,7 @@ def inputs(case: dict, device: str, dtype):
 
     g = torch.Generator(device=device).manual_seed(case["seqlen"] + case["hdim"])
     shape = (case["batch"], case["seqlen"], case["nheads"], case["hdim"])
-    shape_v = shape[:-1] + (case.get("hdim_v", case["hdim"]),)  # window.py's cases have one head dim
+    shape_v = shape[:-1] + (case["hdim_v"],)
     q, k, v, dout = (torch.randn(sh, device=device, dtype=dtype, generator=g) for sh in (shape, shape, shape_v, shape_v))
     for t in (q, k, v):
         t.requires_grad_(True)
