@@ -235,6 +235,23 @@ def test_packed_row_equals_separate_sequences(cpu_backend):
     torch.testing.assert_close(from_offsets, separate, rtol=0, atol=1e-5)
 
 
+def test_packed_positions_are_read_once_per_forward(cpu_backend, monkeypatch):
+    """Every layer gets the same position_ids tensor: where its sequences restart is read on the
+    host once per forward, not once per layer (the model has two layers), and again for new ones."""
+    model = make_model("llama", seed=11)
+    model.set_attn_implementation("tileattn")
+    reads = []
+    restarts = tt._restarts
+    monkeypatch.setattr(tt, "_restarts", lambda *a: reads.append(1) or restarts(*a))
+    row = torch.randint(1, 128, (1, 15), generator=torch.Generator().manual_seed(13))
+    position_ids = torch.cat([torch.arange(9), torch.arange(6)])[None]
+    with torch.no_grad():
+        model(row, position_ids=position_ids)
+        assert len(reads) == 1 and model.config.num_hidden_layers > 1
+        model(row, position_ids=position_ids.clone())
+    assert len(reads) == 2
+
+
 def test_compiled_forward_has_no_graph_break(cpu_backend):
     """torch.compile(fullgraph=True) traces a left-padded batch through tileattn's custom ops.
 

@@ -172,19 +172,31 @@ def _real_keys(attention_mask, device, seqlen_q: int, seqlen_k: int):
     return F.pad(mask.to(torch.bool), (0, seqlen_k - mask.shape[1]), value=False), mask.shape[1] - seqlen_q
 
 
-# The packing of the last mask: every layer of a decoding step gets the same mask tensor, so
-# the host reads and index computations run once per step, not once per layer.
-_LAST_PACKING: list = [None]
+# What was last worked out of a mask or of position_ids: every layer of a step gets the same
+# tensor, so its host reads and index computations run once per step, not once per layer.
+_LAST: dict = {}
+
+
+def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
+    """``compute()``, or its result from the last call of this ``kind`` if that was for the same
+    tensor, unmodified since (its version counter; an inference tensor has none: recomputed),
+    with the same ``key``."""
+    version = None if source.is_inference() else source._version
+    last = _LAST.get(kind)
+    if version is not None and last is not None and last[0] is source and last[1] == (version, key):
+        return last[2]
+    result = compute()
+    _LAST[kind] = (source, (version, key), result)
+    return result
 
 
 def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
-    """What ``_unpadded_attention`` needs of a mask (reads it on the host), reused while the same
-    mask tensor, unmodified (its version counter), comes with the same shapes."""
-    key = (seqlen_q, seqlen_k, device,
-           None if attention_mask.is_inference() else attention_mask._version)
-    last = _LAST_PACKING[0]
-    if last is not None and last[0] is attention_mask and last[1] == key and key[-1] is not None:
-        return last[2]
+    """What ``_unpadded_attention`` needs of a mask (reads it on the host), once per mask tensor."""
+    return _reused("mask", attention_mask, (seqlen_q, seqlen_k, device),
+                   lambda: _pack(attention_mask, device, seqlen_q, seqlen_k))
+
+
+def _pack(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
     keys_real, first_query = _real_keys(attention_mask, device, seqlen_q, seqlen_k)
     if isinstance(first_query, torch.Tensor):
         first_query = int(first_query[0])
@@ -197,9 +209,7 @@ def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
     # offsets built here from non-negative counts: the varlen call need not check them on the device
     cu_q = vouch(cu[0], ("cu_seqlens", qb.numel(), max_q))
     cu_k = vouch(cu[1], ("cu_seqlens", kb.numel(), max_k))
-    packing = (qb, qs, kb, ks, cu_q, cu_k, max_q, max_k)
-    _LAST_PACKING[0] = (attention_mask, key, packing)
-    return packing
+    return qb, qs, kb, ks, cu_q, cu_k, max_q, max_k
 
 
 def _unpadded_attention(q, k, v, packing: tuple, options: dict) -> torch.Tensor:
@@ -265,15 +275,21 @@ def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, devi
     if (position_ids is None or batch != 1 or seqlen_q != seqlen_k or seqlen_q < 2
             or torch.compiler.is_compiling()):
         return None
-    pos = position_ids.reshape(-1)
-    if pos.shape[0] != seqlen_q:
+    if position_ids.numel() != seqlen_q:
         return None
+    return _reused("positions", position_ids, (seqlen_q, device), lambda: _restarts(position_ids, seqlen_q, device))
+
+
+def _restarts(position_ids, seqlen_q: int, device):
+    """The packed sequences of one row from where its positions restart (read on the host)."""
+    pos = position_ids.reshape(-1)
     restarts = (pos[1:] - pos[:-1] != 1).nonzero().flatten() + 1
     if restarts.numel() == 0:
         return None
     bounds = [0, *restarts.tolist(), seqlen_q]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    # built here from increasing bounds: the varlen call need not check them on the device
+    cu = vouch(torch.tensor(bounds, dtype=torch.int32, device=device), ("cu_seqlens", seqlen_q, longest))
     return cu, cu, longest, longest
 
 
