@@ -98,6 +98,19 @@ CASES = {
     "llama3-causal-alibi-bf16-kvpacked": dict(kind="llama3", causal=True, alibi=True, window=(7, -1),
                                               dtype="bfloat16", docs=(9, 15, 3), heads=(4, 4), hdim=16, stride=2,
                                               form="kvpacked"),
+    # ALiBi: each block's diagonal moved to its global place (AttnParams.diag_shift)
+    "zigzag-causal-alibi-gqa": dict(kind="zigzag", causal=True, alibi=True, dtype="float32", batch=2, seqlen=10,
+                                    heads=(4, 2), hdim=16),
+    "contiguous-full-alibi-softcap": dict(kind="contiguous", causal=False, alibi=True, softcap=3.0, dtype="float32",
+                                          batch=1, seqlen=9, heads=(2, 2), hdim=16),
+    "zigzag-window-alibi-bf16": dict(kind="zigzag", causal=False, window=(3, 7), alibi=True, dtype="bfloat16",
+                                     batch=1, seqlen=12, heads=(2, 1), hdim=16),
+    "zigzag-varlen-causal-alibi": dict(kind="zigzag-varlen", causal=True, alibi=True, dtype="float32",
+                                       units=(3, 0, 1, 2), heads=(4, 2), hdim=16),
+    "contiguous-varlen-window-alibi": dict(kind="contiguous-varlen", causal=True, window=(4, -1), alibi=True,
+                                           dtype="float32", units=(2, 5), heads=(2, 2), hdim=16),
+    "zigzag-window-alibi-triton": dict(kind="zigzag", causal=False, window=(3, 2), alibi=True, dtype="float32",
+                                       batch=1, seqlen=12, heads=(2, 1), hdim=16, backend="triton"),
     # learnable sinks (once per row, their gradient summed over the ranks) and a gradient reaching the LSE
     "zigzag-causal-sink-dlse-gqa": dict(kind="zigzag", causal=True, dtype="float32", batch=2, seqlen=10, heads=(4, 2),
                                         hdim=16, sink=True, dlse=True),
@@ -244,6 +257,8 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
                 softmax_scale=case.get("softmax_scale"), return_attn_probs=True, group=group,
                 softcap=case.get("softcap", 0.0), learnable_sink=sink_leaf)
     docs = torch.tensor([0] + _doc_lengths(case, world), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if slopes is not None and kind != "llama3":  # (nheads,): every sequence the same slopes (llama3: below)
+        opts["alibi_slopes"] = slopes.to(device)
     if kind == "contiguous":
         mine = lambda x, dim=1: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
     elif kind == "zigzag":
@@ -539,8 +554,6 @@ def test_bad_input_raises_before_any_communication():
         zigzag_ring_flash_attn_func(q, k, v, window_size=(-2, 0))
     with pytest.raises(NotImplementedError, match="dropout"):
         ring_flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="alibi"):
-        zigzag_ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="kv must be"):
         ring_flash_attn_kvpacked_func(q, k)
     with pytest.raises(RuntimeError, match="init_process_group"):

@@ -75,6 +75,10 @@ class AttnParams:
 
     ``window_left``/``window_right`` < 0 mean unbounded; ``causal`` has been folded into
     ``window_right = 0``. ``softcap`` 0 means off; ``dropout_p`` 0 means off.
+
+    ``diag_shift`` moves the diagonal: query i is aligned with key i + seqlen_k - seqlen_q +
+    diag_shift, for the window bounds and ALiBi's distance alike. Public calls leave it 0; ring
+    attention sets it so that a block of a longer sequence keeps the positions it has there.
     """
 
     softmax_scale: float
@@ -83,3 +87,4 @@ class AttnParams:
     softcap: float = 0.0
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    diag_shift: int = 0

@@ -137,7 +137,7 @@ class _Tiles:
             raise ValueError(f"tile sizes must be >= 1, got block_m={block_m}, block_n={block_n}")
         self.p = params
         self.Sq, self.Sk, self.H, self.G = Sq, Sk, H, H // Hk
-        self.off = Sk - Sq
+        self.off = Sk - Sq + params.diag_shift  # the diagonal: bottom-right aligned, moved by diag_shift
         self.cap = params.softcap
         # q is pre-multiplied by qscale so that bmm gives scale * q.k in log2 units (or the
         # natural scores / cap, whose tanh is then scaled by cap * log2(e))

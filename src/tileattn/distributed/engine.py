@@ -53,6 +53,7 @@ class Call:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    alibi: torch.Tensor | None = None  # ALiBi slopes (batch or 1, nheads) of the call's sequences
 
 
 class Plan:
@@ -102,7 +103,8 @@ def _fwd_call(backend, call: Call, q, kv, packed: bool, into=None):
         lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
     else:
         o_c, lse_c = _take(into[0], call.q, axis), _take(into[1], call.q, axis + 1)
-    backend.attn_fwd(*_one_doc(call, packed, q_c, k_c, v_c, o_c, lse_c), params=call.params, **_varlen_args(call))
+    backend.attn_fwd(*_one_doc(call, packed, q_c, k_c, v_c, o_c, lse_c), params=call.params, alibi_slopes=call.alibi,
+                     **_varlen_args(call))
     return o_c, lse_c
 
 
@@ -244,7 +246,8 @@ def _bwd_call(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, de
         *rows, extra["dlse"] = _one_doc(call, packed, *rows, _take(dlse, call.q, axis + 1))
     else:
         rows = _one_doc(call, packed, *rows)
-    backend.attn_bwd(*rows, params=call.params, deterministic=deterministic, **extra, **_varlen_args(call))
+    backend.attn_bwd(*rows, params=call.params, deterministic=deterministic, alibi_slopes=call.alibi, **extra,
+                     **_varlen_args(call))
     return dq_c, dk_c, dv_c
 
 

@@ -15,7 +15,10 @@ of the keys), in global positions::
 ``window_pair`` first trims both ranges to what the window lets them see (keys no query of the
 pair reaches, queries that reach no key), which skips blocks wholly outside the window — no
 call, no transfer — and keeps both moved bounds >= 0; a pair whose every (query, key) is
-visible is passed with no window at all (no mask work).
+visible is passed with no window at all (no mask work). With ALiBi the distance itself enters
+the scores, not only which keys are visible: such a call keeps the user's window and moves its
+diagonal by ``shift`` instead (``AttnParams.diag_shift``), which masks the same keys and gives
+ALiBi the global distance; every pair of segments is then its own call.
 
 Without a window (full attention, or causal: only the order of positions matters) a rank's
 local order is the global order, so the pairs of one (rank, src) merge into ONE call
@@ -62,8 +65,11 @@ class Pair:
     params: AttnParams
 
 
-def window_pair(qs: Segment, ks: Segment, params: AttnParams) -> Pair | None:
-    """The call for query segment ``qs`` against key segment ``ks`` (None: nothing is visible)."""
+def window_pair(qs: Segment, ks: Segment, params: AttnParams, shift_diagonal: bool = False) -> Pair | None:
+    """The call for query segment ``qs`` against key segment ``ks`` (None: nothing is visible).
+
+    ``shift_diagonal`` (ALiBi, whose bias needs the distance itself): the call keeps the user's
+    window and moves its diagonal instead (``AttnParams.diag_shift``), which masks the same keys."""
     wl, wr = params.window_left, params.window_right
     q_lo, q_hi = qs.start, qs.start + qs.length
     k_lo, k_hi = ks.start, ks.start + ks.length
@@ -82,7 +88,9 @@ def window_pair(qs: Segment, ks: Segment, params: AttnParams) -> Pair | None:
     every = (wr < 0 or k_hi - 1 <= q_lo + wr) and (wl < 0 or k_lo >= q_hi - 1 - wl)
     shift = q_hi - k_hi
     if every:
-        moved = replace(params, window_left=-1, window_right=-1)
+        moved = replace(params, window_left=-1, window_right=-1, diag_shift=shift if shift_diagonal else 0)
+    elif shift_diagonal:
+        moved = replace(params, diag_shift=shift)
     else:
         moved = replace(params, window_left=wl - shift if wl >= 0 else -1,
                         window_right=wr + shift if wr >= 0 else -1)
@@ -116,9 +124,11 @@ def fast_blocks(rank: int, src: int, params: AttnParams, zigzag: bool) -> list[t
     return [("all", "first", False)] if src < rank else [("second", "all", False)]
 
 
-def dense_pairs(rank: int, src: int, world_size: int, length: int, params: AttnParams, zigzag: bool) -> list[Pair]:
-    """Every call of rank ``rank`` against ``src``'s shard of a sequence (``length`` local tokens)."""
-    if is_fast(params):
+def dense_pairs(rank: int, src: int, world_size: int, length: int, params: AttnParams, zigzag: bool,
+                shift_diagonal: bool = False) -> list[Pair]:
+    """Every call of rank ``rank`` against ``src``'s shard of a sequence (``length`` local tokens);
+    with ``shift_diagonal`` (ALiBi) one per pair of segments, each at its own distance."""
+    if is_fast(params) and not shift_diagonal:
         half = length // 2
         rows = {"all": slice(0, length), "first": slice(0, half), "second": slice(half, length)}
         full = replace(params, window_left=-1, window_right=-1)
@@ -127,7 +137,7 @@ def dense_pairs(rank: int, src: int, world_size: int, length: int, params: AttnP
     pairs = []
     for qs in segments(rank, world_size, length, zigzag):
         for ks in segments(src, world_size, length, zigzag):
-            pair = window_pair(qs, ks, params)
+            pair = window_pair(qs, ks, params, shift_diagonal)
             if pair is not None:
                 pairs.append(pair)
     return pairs

@@ -24,8 +24,12 @@ ring merges it into the final state. Its gradient is this rank's rows' share (su
 ranks as for any replicated parameter). The returned LSE is differentiable: a gradient reaching
 it enters every call's backward as ``dlse``.
 
-Not yet: ``dropout_p > 0`` and ``alibi_slopes`` (both depend on a score's global position,
-which the backend kernels do not take; see NotImplementedError messages).
+``alibi_slopes`` ((nheads,) or (batch, nheads) fp32; for the varlen forms batch = documents)
+measure each distance globally: every block's call moves its diagonal to where the block sits
+in the sequence (``plan.window_pair``, ``AttnParams.diag_shift``).
+
+Not yet: ``dropout_p > 0`` (an element's mask depends on its global position, which the
+kernels' dropout hash does not take; see the NotImplementedError message).
 """
 
 from __future__ import annotations
@@ -57,14 +61,15 @@ class DensePlan(Plan):
 
     packed = False
 
-    def __init__(self, world_size: int, length: int, params, zigzag: bool):
-        self.world_size, self.length, self.params, self.zigzag = world_size, length, params, zigzag
+    def __init__(self, world_size: int, length: int, params, zigzag: bool, alibi=None):
+        self.world_size, self.length, self.params, self.zigzag, self.alibi = world_size, length, params, zigzag, alibi
         self._calls = {}
 
     def calls(self, rank: int, src: int) -> list[Call]:
         if (rank, src) not in self._calls:
-            pairs = dense_pairs(rank, src, self.world_size, self.length, self.params, self.zigzag)
-            self._calls[rank, src] = [Call(p.q, p.kv, p.params) for p in pairs]
+            pairs = dense_pairs(rank, src, self.world_size, self.length, self.params, self.zigzag,
+                                shift_diagonal=self.alibi is not None)
+            self._calls[rank, src] = [Call(p.q, p.kv, p.params, alibi=self.alibi) for p in pairs]
         return self._calls[rank, src]
 
 
@@ -77,13 +82,14 @@ class VarlenPlan(Plan):
 
     packed = True
 
-    def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params, zigzag: bool):
-        self.world_size, self.params, self.zigzag = world_size, params, zigzag
+    def __init__(self, world_size: int, cu_seqlens: torch.Tensor, max_seqlen: int, params, zigzag: bool,
+                 alibi=None):
+        self.world_size, self.params, self.zigzag, self.alibi = world_size, params, zigzag, alibi
         self.bounds = cu_seqlens.tolist()
         self.length = self.bounds[-1]
         self._calls = {}
         self.parts = {"all": (slice(0, self.length), cu_seqlens, max_seqlen)}
-        if zigzag and is_fast(params):
+        if zigzag and self._fast():
             device = cu_seqlens.device
             first = [torch.arange(a, a + (b - a) // 2) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
             second = [torch.arange(a + (b - a) // 2, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
@@ -95,18 +101,25 @@ class VarlenPlan(Plan):
         if (rank, src) in self._calls:
             return self._calls[rank, src]
         out = []
-        if is_fast(self.params):
+        if self._fast():
             full = replace(self.params, window_left=-1, window_right=-1)
             causal = replace(self.params, window_left=-1, window_right=0)
             for q, kv, c in fast_blocks(rank, src, self.params, self.zigzag):
                 (q_rows, cu_q, max_q), (kv_rows, cu_k, max_k) = self.parts[q], self.parts[kv]
                 out.append(Call(q_rows, kv_rows, causal if c else full, cu_q, cu_k, max_q, max_k))
         else:
-            for a, b in zip(self.bounds[:-1], self.bounds[1:]):
-                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag):
-                    out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params))
+            for doc, (a, b) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+                alibi = None if self.alibi is None else self.alibi[doc:doc + 1]
+                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag,
+                                     shift_diagonal=alibi is not None):
+                    out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params,
+                                    alibi=alibi))
         self._calls[rank, src] = out
         return out
+
+    def _fast(self) -> bool:
+        """All documents in one call per block (no window beyond causality, no ALiBi)."""
+        return is_fast(self.params) and self.alibi is None
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -137,7 +150,7 @@ class RingFlashAttnFunc(torch.autograd.Function):
 
 
 def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs, group, alibi_ok: bool = False):
+                 return_attn_probs, group):
     """Scalar options of a ring call as AttnParams; refuses what the ring cannot do yet, and a
     missing process group, before anything is computed or sent."""
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -148,11 +161,6 @@ def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size,
                                     "depends on its global (query, key) position, and the kernels hash positions "
                                     "inside each call's block; the ring needs the kernels to take a position "
                                     "offset first. Use dropout_p=0.0 (or the single-GPU functions).")
-    if alibi_slopes is not None and not alibi_ok:
-        V.fail(NotImplementedError, f"{name}: alibi_slopes is not supported yet. ALiBi's bias depends on the "
-                                    "global distance of query and key, which the kernels take only bottom-right "
-                                    "aligned within a call; off-diagonal ring blocks are not. With packed batches "
-                                    "and causal=True, llama3_flash_attn_varlen_func supports ALiBi.")
     if not dist.is_available() or not dist.is_initialized():
         V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
                              "(a world of one rank works)")
@@ -174,7 +182,8 @@ def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
-    plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag)
+    alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag, alibi)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
     return (out, lse, None) if return_attn_probs else out
@@ -279,7 +288,8 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
-    plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag)
+    alibi = V.check_alibi(alibi_slopes, cu_seqlens.shape[0] - 1, q.shape[1], q.device)
+    plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
     return (out, lse, None) if return_attn_probs else out

@@ -77,6 +77,8 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
         return "softmax_scale <= 0"
     if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
         return "softcap / ALiBi / dropout"
+    if params.diag_shift:
+        return "shifted diagonal (a ring block)"
     if not all(_tma_ok(t) for t in (q, k, v, dout)):
         return "strides not 16-byte aligned"
     return None

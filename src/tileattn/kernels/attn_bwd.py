@@ -158,14 +158,14 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift"])
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                           cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                           stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                           stride_wb, stride_wh, stride_ab, stride_ah,
-                          seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right,
+                          seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
                           seed, threshold, keep_scale,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                           HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -181,7 +181,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
                                                            seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:
         return
-    diag_off = seqlen_k - seqlen_q
+    diag_off = seqlen_k - seqlen_q + diag_shift
     q_rows = q_start.to(tl.int64)
     k_rows = k_start.to(tl.int64) + start_n
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -292,13 +292,13 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift"])
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                         stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                         stride_dqb, stride_dqm, stride_dqh, stride_wb, stride_wh, stride_ab, stride_ah,
-                        seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right,
+                        seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
                         seed, threshold, keep_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -314,7 +314,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
                                                            seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return
-    diag_off = seqlen_k - seqlen_q
+    diag_off = seqlen_k - seqlen_q + diag_shift
     hk = h // GROUP
     q_rows = q_start.to(tl.int64) + start_m
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]

@@ -115,7 +115,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 
 
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
-                               "window_left", "window_right", "dropout_seed", "dropout_threshold"])
+                               "window_left", "window_right", "diag_shift", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
@@ -125,7 +125,7 @@ def _attn_fwd_kernel(
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_tb,
     nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
-    scale_log2, softcap, window_left, window_right,
+    scale_log2, softcap, window_left, window_right, diag_shift,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
@@ -216,7 +216,7 @@ def _attn_fwd_kernel(
         v_scale = tl.load(VDescale + kv_idx)
 
     # Key tiles this query block can see (window bounds relative to the diagonal i + diag_off).
-    diag_off = seqlen_k - seqlen_q
+    diag_off = seqlen_k - seqlen_q + diag_shift  # the diagonal (bottom-right aligned, moved by diag_shift)
     key_lo = 0
     key_hi = seqlen_k
     full_lo_key = 0
