@@ -23,6 +23,7 @@ the way ``value_mode`` says:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -587,12 +588,18 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
         what += "; cache_leftpad within 0..cache_seqlens"
     if block_table is not None and block_table.numel() > 0:
         ends = seqlens + new_tokens if new_tokens else seqlens  # keys of each sequence after the append
-        starts = torch.arange(0, block_table.shape[1] * block_size, block_size, device=seqlens.device,
-                              dtype=torch.int32)
+        starts = _page_starts(block_table.shape[1], block_size, seqlens.device)
         in_use = torch.where(starts < ends[:, None], block_table, 0)
         ok = ok & within(in_use, 0, num_blocks - 1)
         what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
     assert_on_device(ok, what)
+
+
+@functools.lru_cache(maxsize=64)
+def _page_starts(pages: int, block_size: int, device) -> torch.Tensor:
+    """The first key position of each page of a block table row, made once per shape and device
+    (one kernel less in every paged call's device check)."""
+    return torch.arange(0, pages * block_size, block_size, device=device, dtype=torch.int32)
 
 
 def _cache_facts(seqlens, block_table, block_size: int):
