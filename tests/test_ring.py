@@ -49,9 +49,11 @@ from tileattn.distributed import (
     zigzag_unshard_varlen,
 )
 from tileattn.distributed.ring import DensePlan
+from tileattn.ops.attention import draw_dropout_seed
 from tileattn.reference import attention_naive, attention_naive_grad
 
 WORLD_SIZES = (1, 2, 3, 4)
+DROPOUT_SEED = 4242  # torch.manual_seed on every rank before a dropout case's ring call
 DENSE = {("contiguous", None): ring_flash_attn_func, ("contiguous", "kvpacked"): ring_flash_attn_kvpacked_func,
          ("contiguous", "qkvpacked"): ring_flash_attn_qkvpacked_func, ("zigzag", None): zigzag_ring_flash_attn_func,
          ("zigzag", "kvpacked"): zigzag_ring_flash_attn_kvpacked_func,
@@ -109,6 +111,14 @@ CASES = {
                                        units=(3, 0, 1, 2), heads=(4, 2), hdim=16),
     "contiguous-varlen-window-alibi": dict(kind="contiguous-varlen", causal=True, window=(4, -1), alibi=True,
                                            dtype="float32", units=(2, 5), heads=(2, 2), hdim=16),
+    # dropout: each call hashes its elements' positions in the whole batch (AttnParams.dropout_base)
+    "zigzag-causal-dropout-gqa": dict(kind="zigzag", causal=True, dropout=0.3, dtype="float32", batch=2, seqlen=10,
+                                      heads=(4, 2), hdim=16),
+    "contiguous-window-dropout-alibi-bf16": dict(kind="contiguous", causal=True, window=(5, -1), dropout=0.2,
+                                                 alibi=True, dtype="bfloat16", batch=1, seqlen=12, heads=(2, 1),
+                                                 hdim=16),
+    "zigzag-full-dropout-triton": dict(kind="zigzag", causal=False, dropout=0.25, dtype="float32", batch=1, seqlen=8,
+                                       heads=(2, 2), hdim=16, backend="triton"),
     "zigzag-window-alibi-triton": dict(kind="zigzag", causal=False, window=(3, 2), alibi=True, dtype="float32",
                                        batch=1, seqlen=12, heads=(2, 1), hdim=16, backend="triton"),
     # learnable sinks (once per row, their gradient summed over the ranks) and a gradient reaching the LSE
@@ -198,6 +208,9 @@ def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int):
     packed batch, for the loss sum(out * dout) + sum(lse * dlse)."""
     opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
                 softmax_scale=case.get("softmax_scale"))
+    if case.get("dropout"):  # the seed the ring draws after torch.manual_seed(DROPOUT_SEED), as one call would
+        torch.manual_seed(DROPOUT_SEED)
+        opts.update(dropout_p=case["dropout"], dropout_seed=draw_dropout_seed(case["dropout"]))
     alibi = None if slopes is None else slopes.double().numpy()
     sink64 = None if sink is None else sink.double().numpy()
 
@@ -259,6 +272,9 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
     docs = torch.tensor([0] + _doc_lengths(case, world), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     if slopes is not None and kind != "llama3":  # (nheads,): every sequence the same slopes (llama3: below)
         opts["alibi_slopes"] = slopes.to(device)
+    if case.get("dropout"):  # every rank seeded alike: one mask, the whole-sequence call's
+        opts["dropout_p"] = case["dropout"]
+        torch.manual_seed(DROPOUT_SEED)
     if kind == "contiguous":
         mine = lambda x, dim=1: contiguous_shard(torch.as_tensor(x), rank, world, dim)  # noqa: E731
     elif kind == "zigzag":
@@ -552,8 +568,6 @@ def test_bad_input_raises_before_any_communication():
         ring_flash_attn_func(q, k, v, causal=1)
     with pytest.raises(ValueError, match="window_size"):
         zigzag_ring_flash_attn_func(q, k, v, window_size=(-2, 0))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ring_flash_attn_func(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="kv must be"):
         ring_flash_attn_kvpacked_func(q, k)
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -562,6 +576,8 @@ def test_bad_input_raises_before_any_communication():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="even"):
         zigzag_ring_flash_attn_varlen_func(packed, packed, packed, cu, 5)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ring_flash_attn_varlen_func(packed, packed, packed, cu, 5, dropout_p=0.1)
     with pytest.raises(ValueError, match="heads_k_stride"):
         llama3_flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, 3, slice(0, 8))
     with pytest.raises(ValueError, match="divisible"):

@@ -79,6 +79,8 @@ class AttnParams:
     ``diag_shift`` moves the diagonal: query i is aligned with key i + seqlen_k - seqlen_q +
     diag_shift, for the window bounds and ALiBi's distance alike. Public calls leave it 0; ring
     attention sets it so that a block of a longer sequence keeps the positions it has there.
+    ``dropout_base`` does the same for the dropout mask, which hashes (batch, head, query, key):
+    a ring block's call hashes the coordinates its elements have in the whole batch.
     """
 
     softmax_scale: float
@@ -88,3 +90,4 @@ class AttnParams:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     diag_shift: int = 0
+    dropout_base: tuple[int, int, int] = (0, 0, 0)  # (batch, query, key) added to dropout's coordinates

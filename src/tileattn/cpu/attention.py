@@ -211,9 +211,10 @@ class _Tiles:
 
     def keep(self, t0, c, i0, i1, j0, j1):
         """Dropout keep / (1 - p) as [c, G * rows, keys]; bh = batch * H + query head."""
-        rows, cols = torch.arange(i0, i1), torch.arange(j0, j1)
+        b0, r0, c0 = self.p.dropout_base  # the coordinates the call's elements have in the whole batch
+        rows, cols = torch.arange(i0, i1) + r0, torch.arange(j0, j1) + c0
         z = torch.empty(c * self.G, i1 - i0, j1 - j0, dtype=self.acc)
-        first = self.b0 * self.H + t0 * self.G  # flat (batch, query head) index of the chunk
+        first = (self.b0 + b0) * self.H + t0 * self.G  # flat (batch, query head) index of the chunk
         for x in range(c * self.G):
             z[x] = keep_mask(self.p.dropout_seed, first + x, rows, cols, self.p.dropout_p)
         return z.mul_(1.0 / (1.0 - self.p.dropout_p)).view(c, -1, j1 - j0)

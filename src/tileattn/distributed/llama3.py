@@ -359,7 +359,8 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     max_seqlen_k = V.integer("max_seqlen_k", max_seqlen_k, minimum=0)
     params = ring_options(_NAME, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group,
+                          dropout_ok=False)
     world_size = dist.get_world_size(group)
     if (not isinstance(local_k_slice, slice) or not all(isinstance(x, int) for x in (local_k_slice.start,
                                                                                      local_k_slice.stop))

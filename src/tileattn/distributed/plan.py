@@ -16,9 +16,10 @@ of the keys), in global positions::
 pair reaches, queries that reach no key), which skips blocks wholly outside the window — no
 call, no transfer — and keeps both moved bounds >= 0; a pair whose every (query, key) is
 visible is passed with no window at all (no mask work). With ALiBi the distance itself enters
-the scores, not only which keys are visible: such a call keeps the user's window and moves its
-diagonal by ``shift`` instead (``AttnParams.diag_shift``), which masks the same keys and gives
-ALiBi the global distance; every pair of segments is then its own call.
+the scores, and with dropout the positions enter the mask's hash: such a call keeps the user's
+window and moves its diagonal by ``shift`` instead (``AttnParams.diag_shift``), which masks the
+same keys and gives ALiBi the global distance, and names its first row and key's positions for
+the dropout hash (``AttnParams.dropout_base``); every pair of segments is then its own call.
 
 Without a window (full attention, or causal: only the order of positions matters) a rank's
 local order is the global order, so the pairs of one (rank, src) merge into ONE call
@@ -65,11 +66,13 @@ class Pair:
     params: AttnParams
 
 
-def window_pair(qs: Segment, ks: Segment, params: AttnParams, shift_diagonal: bool = False) -> Pair | None:
+def window_pair(qs: Segment, ks: Segment, params: AttnParams, exact: bool = False) -> Pair | None:
     """The call for query segment ``qs`` against key segment ``ks`` (None: nothing is visible).
 
-    ``shift_diagonal`` (ALiBi, whose bias needs the distance itself): the call keeps the user's
-    window and moves its diagonal instead (``AttnParams.diag_shift``), which masks the same keys."""
+    ``exact`` (ALiBi, whose bias needs the distance itself, or dropout, whose mask hashes the
+    positions): the call keeps the user's window and moves its diagonal instead
+    (``AttnParams.diag_shift``), which masks the same keys, and names where its rows and keys
+    sit in the sequence (``AttnParams.dropout_base``)."""
     wl, wr = params.window_left, params.window_right
     q_lo, q_hi = qs.start, qs.start + qs.length
     k_lo, k_hi = ks.start, ks.start + ks.length
@@ -87,10 +90,12 @@ def window_pair(qs: Segment, ks: Segment, params: AttnParams, shift_diagonal: bo
         return None
     every = (wr < 0 or k_hi - 1 <= q_lo + wr) and (wl < 0 or k_lo >= q_hi - 1 - wl)
     shift = q_hi - k_hi
-    if every:
-        moved = replace(params, window_left=-1, window_right=-1, diag_shift=shift if shift_diagonal else 0)
-    elif shift_diagonal:
-        moved = replace(params, diag_shift=shift)
+    if exact:
+        moved = replace(params, diag_shift=shift, dropout_base=(params.dropout_base[0], q_lo, k_lo))
+        if every:
+            moved = replace(moved, window_left=-1, window_right=-1)
+    elif every:
+        moved = replace(params, window_left=-1, window_right=-1)
     else:
         moved = replace(params, window_left=wl - shift if wl >= 0 else -1,
                         window_right=wr + shift if wr >= 0 else -1)
@@ -125,10 +130,10 @@ def fast_blocks(rank: int, src: int, params: AttnParams, zigzag: bool) -> list[t
 
 
 def dense_pairs(rank: int, src: int, world_size: int, length: int, params: AttnParams, zigzag: bool,
-                shift_diagonal: bool = False) -> list[Pair]:
+                exact: bool = False) -> list[Pair]:
     """Every call of rank ``rank`` against ``src``'s shard of a sequence (``length`` local tokens);
-    with ``shift_diagonal`` (ALiBi) one per pair of segments, each at its own distance."""
-    if is_fast(params) and not shift_diagonal:
+    ``exact`` (ALiBi, dropout): one per pair of segments, each at its own global place."""
+    if is_fast(params) and not exact:
         half = length // 2
         rows = {"all": slice(0, length), "first": slice(0, half), "second": slice(half, length)}
         full = replace(params, window_left=-1, window_right=-1)
@@ -137,7 +142,7 @@ def dense_pairs(rank: int, src: int, world_size: int, length: int, params: AttnP
     pairs = []
     for qs in segments(rank, world_size, length, zigzag):
         for ks in segments(src, world_size, length, zigzag):
-            pair = window_pair(qs, ks, params, shift_diagonal)
+            pair = window_pair(qs, ks, params, exact)
             if pair is not None:
                 pairs.append(pair)
     return pairs

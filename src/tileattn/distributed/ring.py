@@ -28,8 +28,11 @@ it enters every call's backward as ``dlse``.
 measure each distance globally: every block's call moves its diagonal to where the block sits
 in the sequence (``plan.window_pair``, ``AttnParams.diag_shift``).
 
-Not yet: ``dropout_p > 0`` (an element's mask depends on its global position, which the
-kernels' dropout hash does not take; see the NotImplementedError message).
+``dropout_p`` (dense forms; the varlen forms refuse it for now) drops the elements the
+single-GPU call on the whole sequence drops with the same seed: each call hashes its elements'
+positions in the whole sequence (``AttnParams.dropout_base``).
+The seed comes from each rank's generator of the inputs' device: seed every rank alike
+(``torch.manual_seed``) for one mask across the ranks, as the single-GPU call would draw it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import _validate as V
+from ..ops.attention import with_dropout_seed
 from .comm import Peers
 from .engine import Call, Plan, backward_inputs, ring_bwd, ring_fwd, sink_grad
 from .plan import dense_pairs, fast_blocks, is_fast
@@ -68,7 +72,7 @@ class DensePlan(Plan):
     def calls(self, rank: int, src: int) -> list[Call]:
         if (rank, src) not in self._calls:
             pairs = dense_pairs(rank, src, self.world_size, self.length, self.params, self.zigzag,
-                                shift_diagonal=self.alibi is not None)
+                                exact=_exact(self.params, self.alibi))
             self._calls[rank, src] = [Call(p.q, p.kv, p.params, alibi=self.alibi) for p in pairs]
         return self._calls[rank, src]
 
@@ -108,18 +112,24 @@ class VarlenPlan(Plan):
                 (q_rows, cu_q, max_q), (kv_rows, cu_k, max_k) = self.parts[q], self.parts[kv]
                 out.append(Call(q_rows, kv_rows, causal if c else full, cu_q, cu_k, max_q, max_k))
         else:
+            exact = _exact(self.params, self.alibi)
             for doc, (a, b) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
                 alibi = None if self.alibi is None else self.alibi[doc:doc + 1]
-                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag,
-                                     shift_diagonal=alibi is not None):
+                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag, exact=exact):
                     out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params,
                                     alibi=alibi))
         self._calls[rank, src] = out
         return out
 
     def _fast(self) -> bool:
-        """All documents in one call per block (no window beyond causality, no ALiBi)."""
-        return is_fast(self.params) and self.alibi is None
+        """All documents in one call per block (no window beyond causality, no ALiBi, no dropout)."""
+        return is_fast(self.params) and not _exact(self.params, self.alibi)
+
+
+def _exact(params, alibi) -> bool:
+    """Whether each call must know where its elements sit in the sequence: ALiBi (distances) and
+    dropout (the mask hashes positions)."""
+    return alibi is not None or params.dropout_p > 0
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -150,17 +160,18 @@ class RingFlashAttnFunc(torch.autograd.Function):
 
 
 def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs, group):
-    """Scalar options of a ring call as AttnParams; refuses what the ring cannot do yet, and a
-    missing process group, before anything is computed or sent."""
+                 return_attn_probs, group, dropout_ok: bool = True):
+    """Scalar options of a ring call as AttnParams (with dropout, the seed drawn from the inputs'
+    device generator, as the single-GPU calls draw it); refuses what the ring cannot do yet, and
+    a missing process group, before anything is computed or sent."""
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
-    if params.dropout_p > 0:
-        V.fail(NotImplementedError, f"{name}: dropout_p > 0 is not supported yet. The dropout mask of an element "
-                                    "depends on its global (query, key) position, and the kernels hash positions "
-                                    "inside each call's block; the ring needs the kernels to take a position "
-                                    "offset first. Use dropout_p=0.0 (or the single-GPU functions).")
+    if params.dropout_p > 0 and not dropout_ok:
+        V.fail(NotImplementedError, f"{name}: dropout_p > 0 is not supported yet with packed documents (each "
+                                    "call's dropout hash would need its document's index as well as its positions). "
+                                    "Use dropout_p=0.0, or the dense ring functions, which take it.")
+    params = with_dropout_seed(params, q.device)
     if not dist.is_available() or not dist.is_initialized():
         V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
                              "(a world of one rank works)")
@@ -286,7 +297,8 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
                                f"be even, got {odd}")
     params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group,
+                          dropout_ok=False)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
     alibi = V.check_alibi(alibi_slopes, cu_seqlens.shape[0] - 1, q.shape[1], q.device)
     plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)

@@ -253,7 +253,8 @@ class BwdPlan:
                 dsink.copy_(-(sink_terms.sum(dim=1) if cu_seqlens_q is not None else sink_terms.sum(dim=(0, 2))))
         p = float(params.dropout_p)
         scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
-                   int(params.window_right), int(params.diag_shift), int(params.dropout_seed) % 2**32, keep_threshold(p),
+                   int(params.window_right), int(params.diag_shift), *params.dropout_base,
+                   int(params.dropout_seed) % 2**32, keep_threshold(p),
                    1.0 / (1.0 - p) if p > 0 else 1.0)
         if self.hopper:
             hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,

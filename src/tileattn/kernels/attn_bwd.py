@@ -108,7 +108,7 @@ def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, 
 @triton.jit
 def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                start_m, end_m, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
-               window_left, window_right, seed, bh, threshold, keep_scale,
+               window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
                BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -142,7 +142,8 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
                         HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, False)  # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
-            keep = tl.trans(dropout_keep(seed, bh, offs_m, offs_n, threshold))  # [BLOCK_N, BLOCK_M]
+            keep = tl.trans(dropout_keep(seed, bh, offs_m + drop_r0, offs_n + drop_c0,
+                                         threshold))  # [BLOCK_N, BLOCK_M]
             zT = tl.where(keep, keep_scale, 0.0)
             dv += tl.dot((pT * zT).to(in_dtype).to(DOT_DTYPE), b_do, input_precision=DOT_PRECISION)
             dpT = dpT * zT
@@ -158,7 +159,7 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_b0", "drop_r0", "drop_c0"])
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                           cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -166,6 +167,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                           stride_wb, stride_wh, stride_ab, stride_ah,
                           seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
+                          drop_b0, drop_r0, drop_c0,
                           seed, threshold, keep_scale,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                           HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -222,20 +224,20 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
         slope_log2 = 0.0
         if HAS_ALIBI:
             slope_log2 = tl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
-        bh = b * nheads + h
+        bh = (b + drop_b0) * nheads + h
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
-                            window_left, window_right, seed, bh, threshold, keep_scale,
+                            window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_a, m_b, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
-                            window_left, window_right, seed, bh, threshold, keep_scale,
+                            window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             False, False, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_b, m_end, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
-                            window_left, window_right, seed, bh, threshold, keep_scale,
+                            window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
                             HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
     dk = dk * sm_scale
@@ -248,7 +250,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
 @triton.jit
 def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn,
              start_n, end_n, offs_m, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
-             window_left, window_right, seed, bh, threshold, keep_scale,
+             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
              HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
              BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr,
@@ -280,7 +282,7 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
                       HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(b_do, b_vT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m, offs_n, threshold)  # [BLOCK_M, BLOCK_N]
+            keep = dropout_keep(seed, bh, offs_m + drop_r0, offs_n + drop_c0, threshold)  # [BLOCK_M, BLOCK_N]
             dp = dp * tl.where(keep, keep_scale, 0.0)
         ds = p * (dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
@@ -292,13 +294,14 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_b0", "drop_r0", "drop_c0"])
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                         stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                         stride_dqb, stride_dqm, stride_dqh, stride_wb, stride_wh, stride_ab, stride_ah,
                         seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
+                        drop_b0, drop_r0, drop_c0,
                         seed, threshold, keep_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -334,7 +337,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
-    bh = b * nheads + h
+    bh = (b + drop_b0) * nheads + h
 
     # Keys seen by some row of this block: j >= start_m + diag_off - left and
     # j <= start_m + BLOCK_M - 1 + diag_off + right. Blocks [n_a, n_b) need no mask.
@@ -357,15 +360,15 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     dq = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_lo, n_a, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_a, n_b, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, False, False, DOT_DTYPE, DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_b, n_end, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
     dq = dq * sm_scale
     tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + q_rows * stride_dqm + tile_m * stride_dqm + offs_d[None, :],

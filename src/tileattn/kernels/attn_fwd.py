@@ -47,7 +47,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn, stride_vn,
                     tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-                    window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+                    window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, MASKED: tl.constexpr,
@@ -102,7 +102,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
         p = tl.math.exp2(s - m_use[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, bh, q_pos, k_pos, dropout_threshold)  # [BLOCK_M, BLOCK_N]
+            keep = dropout_keep(dropout_seed, bh, q_pos + drop_r0, k_pos + drop_c0,
+                                dropout_threshold)  # [BLOCK_M, BLOCK_N]
             p = tl.where(keep, p * dropout_scale, 0.0)
         if MASKED or HEAD_DIM_V != HEAD_DIM_V_PAD:
             b_v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_V_PAD]
@@ -115,7 +116,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 
 
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
-                               "window_left", "window_right", "diag_shift", "dropout_seed", "dropout_threshold"])
+                               "window_left", "window_right", "diag_shift", "drop_b0", "drop_r0", "drop_c0",
+                               "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
@@ -125,7 +127,7 @@ def _attn_fwd_kernel(
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_tb,
     nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
-    scale_log2, softcap, window_left, window_right, diag_shift,
+    scale_log2, softcap, window_left, window_right, diag_shift, drop_b0, drop_r0, drop_c0,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
@@ -209,7 +211,7 @@ def _attn_fwd_kernel(
         slope_log2 = tl.load(Slopes + b64 * stride_sb + head * stride_sh)[:, None] * LOG2E  # [BLOCK_M, 1]
     else:
         slope_log2 = 0.0
-    bh = b * nheads + head  # [BLOCK_M] dropout's (batch, head) counter
+    bh = (b + drop_b0) * nheads + head  # [BLOCK_M] dropout's (batch, head) counter
     if IS_FP8:  # one KV head per program: k's descale scales every score, v's the output
         kv_idx = b64 * (nheads // GROUP) + head_k
         scale_log2 = scale_log2 * tl.load(KDescale + kv_idx)
@@ -251,19 +253,19 @@ def _attn_fwd_kernel(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-            window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+            window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
         BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, False,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
         full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
         BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
 
