@@ -63,6 +63,28 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
+def device_reason(q) -> str | None:
+    """Why the Gluon kernels cannot run on ``q``'s device (one short phrase), or None: they can."""
+    if q.device.type != "cuda" or interpreting():
+        return "not a CUDA device"
+    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "not sm_90"
+    if not _gluon_available():
+        return "Triton has no Gluon"
+    return None
+
+
+def options_reason(params: AttnParams, alibi_slopes) -> str | None:
+    """Why the Gluon kernels (forward and backward alike) cannot apply these options, or None."""
+    if not params.softmax_scale > 0:
+        return "softmax_scale <= 0"
+    if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
+        return "softcap / ALiBi / dropout"
+    if params.diag_shift:
+        return "shifted diagonal (a ring block)"
+    return None
+
+
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
                       num_splits: int, max_seqlen_q: int = 0) -> str | None:
     """None when the Hopper kernel can compute this forward call, else why not (one short phrase).
@@ -78,24 +100,18 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return "decoding shape"
     if not hopper_enabled():
         return "TILEATTN_HOPPER=0"
-    if q.device.type != "cuda" or interpreting():
-        return "not a CUDA device"
-    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-        return "not sm_90"
-    if not _gluon_available():
-        return "Triton has no Gluon"
+    why = device_reason(q)
+    if why is not None:
+        return why
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
     if q.shape[0] == 0 or k.shape[seq_dim] == 0:
         return "empty batch or keys"
-    if not params.softmax_scale > 0:
-        return "softmax_scale <= 0"
-    if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
-        return "softcap / ALiBi / dropout"
-    if params.diag_shift:
-        return "shifted diagonal (a ring block)"
+    why = options_reason(params, alibi_slopes)
+    if why is not None:
+        return why
     if not all(_tma_ok(t) for t in (q, k, v)):
         return "strides not 16-byte aligned"
     return None

@@ -36,8 +36,7 @@ import torch
 
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
-from ._tuning import interpreting
-from .hopper import MAXNREG, _descriptor, _gluon_available, _is_hopper, _tma_ok
+from .hopper import MAXNREG, _descriptor, _tma_ok, device_reason, options_reason
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
@@ -60,12 +59,9 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     share; ``deterministic`` needs nothing (no atomics, one tile configuration)."""
     if not hopper_bwd_enabled():
         return "TILEATTN_HOPPER_BWD not set"
-    if q.device.type != "cuda" or interpreting():
-        return "not a CUDA device"
-    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-        return "not sm_90"
-    if not _gluon_available():
-        return "Triton has no Gluon"
+    why = device_reason(q)
+    if why is not None:
+        return why
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout, dq, dk, dv)):
         return "dtypes " + " / ".join(str(t.dtype) for t in (q, k, v, dout, dq, dk, dv))
     if ("dq", q.shape[-1]) not in HOPPER_BWD_TILES or v.shape[-1] != q.shape[-1]:
@@ -73,12 +69,9 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     seq_dim = 0 if varlen else 1
     if q.shape[0] == 0 or q.shape[seq_dim] == 0 or k.shape[seq_dim] == 0:
         return "empty batch, queries or keys"
-    if not params.softmax_scale > 0:
-        return "softmax_scale <= 0"
-    if params.softcap > 0 or alibi_slopes is not None or params.dropout_p > 0:
-        return "softcap / ALiBi / dropout"
-    if params.diag_shift:
-        return "shifted diagonal (a ring block)"
+    why = options_reason(params, alibi_slopes)
+    if why is not None:
+        return why
     if not all(_tma_ok(t) for t in (q, k, v, dout)):
         return "strides not 16-byte aligned"
     return None

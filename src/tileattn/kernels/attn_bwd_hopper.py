@@ -52,7 +52,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attn_fwd_hopper import _tile_range, _visible_mask
+from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask
 
 
 @builtin
@@ -82,16 +82,7 @@ def _block(CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right
         blk = gl.num_programs(0) - 1 - blk
     m_start = blk * BLOCK_R
     b = gl.program_id(2)
-    if IS_VARLEN:
-        r_start = gl.load(CuSeqlensR + b)
-        seqlen_r = gl.load(CuSeqlensR + b + 1) - r_start
-        c_start = gl.load(CuSeqlensC + b)
-        seqlen_c = gl.load(CuSeqlensC + b + 1) - c_start
-        b_desc = 0  # the packed tensors are batch 1 to the descriptors
-    else:
-        r_start = 0
-        c_start = 0
-        b_desc = b
+    r_start, c_start, seqlen_r, seqlen_c, b_desc = _sequence(CuSeqlensR, CuSeqlensC, b, seqlen_r, seqlen_c, IS_VARLEN)
     n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_R, BLOCK_C, seqlen_r, seqlen_c, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT)
     return b, b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, m_start < seqlen_r

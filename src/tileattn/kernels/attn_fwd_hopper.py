@@ -39,6 +39,7 @@ from .common import online_rescale, visible_mask
 _online_rescale = gluon.jit(online_rescale.fn)
 _visible_mask = gluon.jit(visible_mask.fn)
 
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -77,6 +78,24 @@ def _wait_tile(bars, ring, c, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_
 
 
 @gluon.jit
+def _sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, IS_VARLEN: gl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k, b_desc) of sequence ``b``: with ``IS_VARLEN`` its
+    first packed rows and lengths from the cu_seqlens, and batch 0 for the descriptors (which
+    see the packed tensors as batch 1); else row 0, the lengths given and batch ``b``."""
+    if IS_VARLEN:
+        q_start = gl.load(CuSeqlensQ + b)
+        seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = gl.load(CuSeqlensK + b)
+        seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
+        b_desc = 0
+    else:
+        q_start = 0
+        k_start = 0
+        b_desc = b
+    return q_start, k_start, seqlen_q, seqlen_k, b_desc
+
+
+@gluon.jit
 def _work(w, num_m_blocks, nheads, GROUP: gl.constexpr, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
           window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
           MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
@@ -88,16 +107,7 @@ def _work(w, num_m_blocks, nheads, GROUP: gl.constexpr, CuSeqlensQ, CuSeqlensK, 
     bh = w // num_m_blocks
     b = bh // nheads
     h = bh % nheads
-    if IS_VARLEN:
-        q_start = gl.load(CuSeqlensQ + b)
-        seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
-        k_start = gl.load(CuSeqlensK + b)
-        seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
-        b_desc = 0  # the packed tensors are batch 1 to the descriptors
-    else:
-        q_start = 0
-        k_start = 0
-        b_desc = b
+    q_start, k_start, seqlen_q, seqlen_k, b_desc = _sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, IS_VARLEN)
     n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT)
     return b, h, h // GROUP, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, m_start < seqlen_q
