@@ -28,6 +28,16 @@ def rotate64(x, cos, sin, positions, interleaved):
     return out
 
 
+def _check_row(b, out, q64, cached_k, cached_v, k64_new, v_new, causal):
+    """Sequence b's output against attention over its cached keys then its rotated new ones."""
+    keys = np.concatenate([cached_k.double().numpy(), k64_new])[None]
+    values = np.concatenate([cached_v.double().numpy(), v_new.double().numpy()])[None]
+    ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=causal)
+    plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
+                                 torch.from_numpy(values).float(), causal=causal)
+    assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal,paged", [(True, False), (False, True), (True, True)])
 def test_rotary_kvcache_matches_reference(device, interleaved, causal, paged):
@@ -64,12 +74,7 @@ def test_rotary_kvcache_matches_reference(device, interleaved, causal, paged):
     k64_new = rotate64(k_new.numpy(), cos.numpy(), sin.numpy(), k_pos, interleaved)
     for b in range(batch):
         n = int(lens[b])
-        keys = np.concatenate([cached_k[b, :n].double().numpy(), k64_new[b]])[None]
-        values = np.concatenate([cached_v[b, :n].double().numpy(), v_new[b].double().numpy()])[None]
-        ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=causal)
-        plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
-                                     torch.from_numpy(values).float(), causal=causal)
-        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        _check_row(b, out, q64, cached_k[b, :n], cached_v[b, :n], k64_new[b], v_new[b], causal)
         stored = [k_cache[b, n + i] if table is None else k_cache[table[b, (n + i) // 4], (n + i) % 4]
                   for i in range(new)]
         np.testing.assert_allclose(torch.stack(stored).cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
@@ -116,12 +121,7 @@ def test_rotary_when_the_new_chunk_and_q_differ_in_length(device, seqlen_q, new,
     k64_new = rotate64(k_new.numpy(), cos.numpy(), sin.numpy(), k_pos, False)
     for b in range(batch):
         n = int(lens[b])
-        keys = np.concatenate([cached_k[b, :n].double().numpy(), k64_new[b]])[None]
-        values = np.concatenate([cached_v[b, :n].double().numpy(), v_new[b].double().numpy()])[None]
-        ref_o, _ = R.attention_naive(q64[b:b + 1], keys, values, causal=causal)
-        plain_o, _ = plain_attention(torch.from_numpy(q64[b:b + 1]).float(), torch.from_numpy(keys).float(),
-                                     torch.from_numpy(values).float(), causal=causal)
-        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        _check_row(b, out, q64, cached_k[b, :n], cached_v[b, :n], k64_new[b], v_new[b], causal)
         np.testing.assert_allclose(k_cache[b, n:n + new].cpu().double().numpy(), k64_new[b], rtol=0, atol=1e-5)
 
 
