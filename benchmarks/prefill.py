@@ -5,11 +5,9 @@ batch·seqlen = 16384 tokens, nheads·hdim = 2048, seqlen 512 / 2048 / 8192 / 16
 hdim 64 and 128, causal and not, bf16. tileattn.flash_attn_func runs beside torch SDPA with each backend forced (flash, cuDNN,
 efficient) and FlexAttention (torch.compile; causal through a block mask), on the same
 tensors: SDPA and Flex take transposed (B, H, S, D) views of tileattn's (B, S, H, D) data.
-"tileattn" is the default dispatch (the Gluon kernel for Hopper where it applies: the printed
-path says which forward ran), "tileattn tl" the portable Triton kernel (``TILEATTN_HOPPER=0``).
-"tileattn hopper-bwd" is "tileattn" with the Gluon backward for Hopper switched on
-(``TILEATTN_HOPPER_BWD=1`` while its backward runs; dQ by reductions), "tileattn hopper-bwd det"
-the same with ``deterministic=True`` (dQ by a second pass); opt-in, so only when named in ``--impls``.
+"tileattn" is the default dispatch (the Gluon kernels for Hopper where they apply, forward and
+backward: the printed path says which forward ran), "tileattn tl" the portable Triton kernels
+(``TILEATTN_HOPPER=0`` while its forward and its backward run).
 
 FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
 seqlen 8192 (``--flex-seqlens`` changes that; ``--quick`` skips it).
@@ -21,9 +19,7 @@ from __future__ import annotations
 
 import common
 
-IMPLS = ("tileattn", "tileattn hopper-bwd", "tileattn hopper-bwd det", "tileattn tl", "sdpa flash", "sdpa cudnn",
-         "sdpa efficient", "flex")
-OPT_IN = ("tileattn hopper-bwd", "tileattn hopper-bwd det")  # run only when --impls names them
+IMPLS = ("tileattn", "tileattn tl", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex")
 TOKENS, WIDTH = 16384, 2048
 
 
@@ -31,7 +27,7 @@ def add_args(p) -> None:
     p.add_argument("--flex-seqlens", default="8192",
                    help="comma-separated seqlens at which FlexAttention runs ('' for none; default 8192)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
-    p.add_argument("--impls", default=",".join(n for n in IMPLS if n not in OPT_IN),
+    p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated implementations to run (of {', '.join(IMPLS)})")
     p.add_argument("--hdims", default="", help="comma-separated head dims (default: 128,64; --quick: 128)")
     p.add_argument("--seqlens", default="", help="comma-separated seqlens (default: 512,2048,8192,16384)")
@@ -64,14 +60,14 @@ def make_impl(name: str, causal: bool, seqlen: int, device: str):
         import tileattn
 
         return lambda q, k, v: tileattn.flash_attn_func(q, k, v, causal=causal)
-    if name.startswith("tileattn hopper-bwd"):
+    if name == "tileattn tl":
         import os
 
         import tileattn
 
         class Switch(torch.autograd.Function):
-            """Identity whose backward sets TILEATTN_HOPPER_BWD: "1" on the output (its backward
-            runs just before the attention's), "0" on q (just after)."""
+            """Identity whose backward sets TILEATTN_HOPPER (to ``value``, or unset when None): "0"
+            on the output (its backward runs just before the attention's), None on q (just after)."""
 
             @staticmethod
             def forward(ctx, x, value):
@@ -80,27 +76,19 @@ def make_impl(name: str, causal: bool, seqlen: int, device: str):
 
             @staticmethod
             def backward(ctx, grad):
-                os.environ["TILEATTN_HOPPER_BWD"] = ctx.value
+                if ctx.value is None:
+                    os.environ.pop("TILEATTN_HOPPER", None)
+                else:
+                    os.environ["TILEATTN_HOPPER"] = ctx.value
                 return grad, None
-
-        det = name.endswith("det")
-
-        def hopper_bwd(q, k, v):
-            out = tileattn.flash_attn_func(Switch.apply(q, "0"), k, v, causal=causal, deterministic=det)
-            return Switch.apply(out, "1")
-
-        return hopper_bwd
-    if name == "tileattn tl":
-        import os
-
-        import tileattn
 
         def portable(q, k, v):
             os.environ["TILEATTN_HOPPER"] = "0"
             try:
-                return tileattn.flash_attn_func(q, k, v, causal=causal)
+                out = tileattn.flash_attn_func(Switch.apply(q, None), k, v, causal=causal)
             finally:
                 del os.environ["TILEATTN_HOPPER"]
+            return Switch.apply(out, "0")
 
         return portable
     if name.startswith("sdpa"):

@@ -306,8 +306,7 @@ def hopper_cases():
 
 
 def hopper_bwd_cases():
-    """The Gluon backward through its launcher, default (dK/dV with dQ reductions) and
-    deterministic (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
+    """The Gluon backward through its launcher (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
     (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
     or not)."""
     g = torch.Generator().manual_seed(3)
@@ -327,17 +326,14 @@ def hopper_bwd_cases():
                                   max_seqlen_k=400)
                 name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
                 grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-                for deterministic in (False, True):
-                    cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()),
-                                  dict(kwargs, deterministic=deterministic)))
+                cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()), kwargs))
     # one query row, one head: lengths and strides equal to 1 become constants in a real launch
     q, dout = (torch.randn(1, 1, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 200, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     ws = torch.empty(1, 1, 1)
-    for deterministic in (False, True):
-        cases.append(("hopper bwd torch.bfloat16 d128 window (-1, 0) GQA 1 seqlen_q 1",
-                      (dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws, ws.clone()),
-                      dict(params=AttnParams(128**-0.5, -1, 0), deterministic=deterministic)))
+    cases.append(("hopper bwd torch.bfloat16 d128 window (-1, 0) GQA 1 seqlen_q 1",
+                  (dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws, ws.clone()),
+                  dict(params=AttnParams(128**-0.5, -1, 0))))
     return cases
 
 
@@ -389,8 +385,7 @@ def main() -> int:
     for name, tensors, kwargs in hopper_bwd_cases():
         launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
                                  *tensors, **kwargs)
-        kinds = {(True, True): "dkdv+dq", (True, False): "dkdv", (False, False): "dq"}
-        todo += [(f"{name} {kinds[launch[2]['DKDV'], launch[2]['DQ_REDUCE']]}", *launch) for launch in launches]
+        todo += [(f"{name} {'dkdv' if launch[2]['DKDV'] else 'dq'}", *launch) for launch in launches]
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))

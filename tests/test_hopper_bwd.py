@@ -1,9 +1,8 @@
 """The Hopper (Gluon: TMA + wgmma) backward kernels against the float64 reference, on an H100/H200.
 
 Gluon kernels have no interpreter: these tests need the GPU (marker ``gpu``). They run the
-backward through ``attn_bwd`` with the opt-in switch ``TILEATTN_HOPPER_BWD=1`` (set by the
-fixture below), after asserting that the dispatch really picks the Hopper kernels, so a case
-the rule sends elsewhere fails instead of testing the portable kernels twice. The forward's
+backward through ``attn_bwd`` after asserting that the dispatch really picks the Hopper
+kernels, so a case the rule sends elsewhere fails instead of testing the portable kernels twice. The forward's
 (out, lse) come from the float64 reference; gradients are poisoned with NaN and must lie within
 GRAD_FACTOR times the error of plain PyTorch autograd in the same dtype (tests/tolerance.py).
 The compile check for machines without a GPU is in tests/hopper_compile.py; the dispatch
@@ -25,11 +24,6 @@ from tileattn.gpu.hopper_bwd import hopper_bwd_reason
 from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def hopper_bwd_on(monkeypatch):
-    monkeypatch.setenv("TILEATTN_HOPPER_BWD", "1")
 
 
 def _np(*tensors):
@@ -56,7 +50,7 @@ def _backward(dout, q, k, v, out, lse, params, **kwargs):
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
-         layout="bshd", sink=False, deterministic=False):
+         layout="bshd", sink=False):
     gen = torch.Generator().manual_seed(seed)
 
     def t(s, h):
@@ -73,7 +67,7 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
     out = torch.from_numpy(out64).to(dtype).cuda()
     lse = torch.from_numpy(lse64).float().cuda()
     params = AttnParams(head_dim**-0.5, window[0], 0 if causal else window[1])
-    kwargs = dict(deterministic=deterministic)
+    kwargs = {}
     if sink:
         kwargs.update(learnable_sink=learnable_sink.cuda(), dsink=torch.full((nheads,), float("nan"), device="cuda"))
     fast = _backward(dout, q, k, v, out, lse, params, **kwargs)
@@ -92,18 +86,9 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (129, 129), (1000, 1000), (300, 1000), (1000, 300),
                                                (129, 257), (1, 200)])
 def test_hopper_backward(head_dim, dtype, causal, seqlen_q, seqlen_k):
-    """The default path (dK/dV with dQ reductions). Lengths 1, odd, one past a 128-row block,
-    seqlen_q != seqlen_k both ways (causal rows with no key, keys no query sees)."""
+    """Lengths 1, odd, one past a 128-row block, seqlen_q != seqlen_k both ways (causal rows with
+    no key, keys no query sees)."""
     _run(seqlen_q * 7 + seqlen_k + head_dim, 2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype, causal=causal)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 1000), (1000, 300), (129, 257)])
-def test_hopper_backward_deterministic(head_dim, causal, seqlen_q, seqlen_k):
-    """``deterministic=True``: dK/dV, then dQ by a launch of its own."""
-    _run(seqlen_q * 5 + seqlen_k + head_dim, 2, seqlen_q, seqlen_k, 4, 4, head_dim, torch.float16, causal=causal,
-         deterministic=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -115,21 +100,18 @@ def test_hopper_rows_without_keys(head_dim):
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_hopper_gqa(group, causal, deterministic):
-    """A key/value head's dK/dV program walks the query tiles of its whole group (and reduces
-    their dQ into every query head of the group)."""
-    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal,
-         deterministic=deterministic)
+def test_hopper_gqa(group, causal):
+    """A key/value head's dK/dV program walks the query tiles of its whole group; a query head's
+    dQ program reads its group's key/value head."""
+    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
-def test_hopper_window(window, deterministic):
+def test_hopper_window(window):
     """Sliding windows: key blocks no query sees (and query tiles a key block skips) at both ends."""
-    _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window, deterministic=deterministic)
+    _run(sum(window), 2, 513, 700, 4, 2, 64, torch.bfloat16, window=window)
 
 
 def test_hopper_sinks_and_views():
@@ -139,17 +121,15 @@ def test_hopper_sinks_and_views():
 
 
 def test_hopper_deterministic():
-    """``deterministic=True`` (no reductions, one tile config): two runs give bitwise the same
-    gradients."""
-    first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
-    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
+    """No reductions, one tile config: two runs give bitwise the same gradients."""
+    first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_long(causal, deterministic):
+def test_hopper_long(causal):
     """4k tokens: the rings wrap many times. Oracle: plain attention in float64 on the GPU (the
     NumPy reference's textbook formula, too slow on the CPU at this size)."""
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -157,22 +137,19 @@ def test_hopper_long(causal, deterministic):
                      for h in (4, 2, 2, 4))
     out64, lse64 = plain_attention(q.double(), k.double(), v.double(), causal=causal)
     params = AttnParams(128**-0.5, -1, 0 if causal else -1)
-    fast = _backward(dout, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), params,
-                     deterministic=deterministic)
+    fast = _backward(dout, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), params)
     ref = _plain_grads(q.double(), k.double(), v.double(), dout.double(), causal=causal)
     plain = _plain_grads(q, k, v, dout, causal=causal)
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal, group", [(False, 1), (True, 1), (True, 4)])
-def test_hopper_varlen(causal, group, deterministic):
+def test_hopper_varlen(causal, group):
     """Packed sequences (zero-length ones, lengths 1 and prime, keys longer and shorter than
     queries): tiles running past a sequence's end read the next one's rows, which must not leak
-    in (dK/dV: their lse2 is +inf, so the dQ they reduce into the next rows is exactly 0; dQ: the
-    last key tile is masked), and no program may write another sequence's rows. Per-sequence
-    references."""
+    in (dK/dV: their lse2 is +inf, so P = 0; dQ: the last key tile is masked), and no program may
+    write another sequence's rows. Per-sequence references."""
     gen = torch.Generator().manual_seed(group + 10 * causal)
     lens_q = [300, 0, 129, 1023, 1, 640, 5]
     lens_k = [300, 5, 257, 1023, 0, 200, 0]
@@ -199,14 +176,14 @@ def test_hopper_varlen(causal, group, deterministic):
     params = AttnParams(head_dim**-0.5, -1, 0 if causal else -1)
     fast = _backward(dout.cuda(), q.cuda(), k.cuda(), v.cuda(), out.cuda(), lse.cuda(), params,
                      cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(), max_seqlen_q=max(lens_q),
-                     max_seqlen_k=max(lens_k), deterministic=deterministic)
+                     max_seqlen_k=max(lens_k))
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 
 
 def test_hopper_dispatch(monkeypatch):
-    """The opt-in switch routes attn_bwd (and so flash_attn_func's backward) to hopper_attn_bwd;
-    without it the portable kernels run."""
+    """attn_bwd (and so flash_attn_func's backward) goes to hopper_attn_bwd by default; with
+    ``TILEATTN_HOPPER=0`` the portable kernels run."""
     import tileattn
 
     calls = []
@@ -216,7 +193,7 @@ def test_hopper_dispatch(monkeypatch):
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     tileattn.flash_attn_func(q, k, v, causal=True).sum().backward()
     assert calls == [1] and torch.isfinite(q.grad).all()
-    monkeypatch.setenv("TILEATTN_HOPPER_BWD", "0")
+    monkeypatch.setenv("TILEATTN_HOPPER", "0")
     backward.clear_plans()
     tileattn.flash_attn_func(q, k, v, causal=True).sum().backward()
     assert calls == [1]

@@ -132,11 +132,10 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
 
     As the forward's, the launches are planned once per shape class (``BwdPlan``).
 
-    On Hopper, with ``TILEATTN_HOPPER_BWD=1`` (opt-in until its GPU tests pass) and where
-    ``hopper_bwd_reason`` allows, the Gluon kernels of ``gpu/hopper_bwd.py`` replace the dK/dV
-    and dQ launches (same preprocess). Their default adds dQ by reductions, whose order varies
-    from run to run; with ``deterministic=True`` they compute dQ in a pass of its own and are
-    bitwise reproducible like the portable kernels (one fixed tile config).
+    On Hopper, where ``hopper_bwd_reason`` allows (sm_90, fp16/bf16, head dim 64 or 128, no
+    softcap, ALiBi or dropout; ``TILEATTN_HOPPER=0`` turns it off), the Gluon kernels of
+    ``gpu/hopper_bwd.py`` replace the dK/dV and dQ launches (same preprocess). They too write
+    every element once in a fixed order with one tile config: bitwise reproducible as well.
     """
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
@@ -220,7 +219,6 @@ class BwdPlan:
         tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
         self.kernels = []
         self.max_seqlens = (max_seqlen_q, max_seqlen_k)
-        self.deterministic = deterministic
         if self.hopper:  # the Gluon kernels replace both launches (hopper_attn_bwd, in run)
             return
         if seqlen_k > 0:
@@ -259,7 +257,7 @@ class BwdPlan:
         if self.hopper:
             hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
-                            max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
+                            max_seqlen_k=self.max_seqlens[1])
         for kernel in self.kernels:
             grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,

@@ -1,55 +1,45 @@
 """Launcher of the Hopper backward kernels (``kernels/attn_bwd_hopper.py``) and the rule that picks them.
 
 ``attn_bwd`` of ``gpu/backward.py`` runs the portable preprocess (delta, lse2) and then, when
-``hopper_bwd_reason`` is None, these launches instead of the portable dK/dV and dQ kernels.
-Opt-in while the kernels have not run on a GPU: ``TILEATTN_HOPPER_BWD=1`` turns them on.
+``hopper_bwd_reason`` is None, these launches instead of the portable dK/dV and dQ kernels. On
+by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off.
 
 One kernel, one program per block of 128 resident rows (two consumer warpgroups of 64 rows and
-one producer warp), launched as:
+one producer warp), launched twice:
 
 * dK/dV: a key block of one key/value head; the query tiles of its GROUP query heads stream
   through the ring. The kernel works in a (rows, columns) frame, so the call is handed over
-  transposed: rows = keys, columns = queries, lengths and window bounds swapped. By default
-  (``DQ_REDUCE``) it also adds each tile's dS K to an fp32 dQ workspace by bulk reductions,
-  which is then scaled into dq: one launch, 5 matrix products per tile.
-* dQ, only with ``deterministic``: a query block of one query head; its key/value head's key
-  tiles stream (S and dP recomputed: 7 products in all, every element written once).
+  transposed: rows = keys, columns = queries, lengths and window bounds swapped;
+* dQ: a query block of one query head; its key/value head's key tiles stream (S and dP
+  recomputed: 7 matrix products per tile pair in all, every gradient element written once, so
+  the gradients are bitwise reproducible whatever ``deterministic`` says).
 
 Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
-x d) + STAGES x the two column tiles (+ with DQ_REDUCE two 128 x 64 dS^T tiles and the
-reductions' two 64 x 64 fp32 buffers, 64 KB); registers, not shared memory, hold one program
-per SM, so the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 =
-160 KB (224 with DQ_REDUCE; hdim 64: 32 + 4 x 16 = 96 KB, 160); dQ hdim 128, 128 keys x 2 stages ->
-64 + 128 = 192 KB (hdim 64: 32 + 3 x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV
-in registers (2 x 64 fp32 per thread at hdim 128) a 128-wide S^T and dP^T tile spills.
-Registers: 12 warps, at most ``MAXNREG`` = 168 per thread on average; setmaxnreg gives each
-consumer thread ``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x
-384). tests/hopper_compile.py checks every variant for shared memory, spills and serialised
-wgmma.
+x d) + STAGES x the two column tiles; registers, not shared memory, hold one program per SM, so
+the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB (hdim
+64: 32 + 4 x 16 = 96 KB); dQ hdim 128, 128 keys x 2 stages -> 64 + 128 = 192 KB (hdim 64: 32 +
+3 x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV in registers (2 x 64 fp32 per
+thread at hdim 128) a 128-wide S^T and dP^T tile spills. Registers: 12 warps, at most
+``MAXNREG`` = 168 per thread on average; setmaxnreg gives each consumer thread
+``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384).
+tests/hopper_compile.py checks every variant for shared memory, spills and serialised wgmma.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
-from .hopper import MAXNREG, _descriptor, _tma_ok, device_reason, options_reason
+from .hopper import MAXNREG, _descriptor, _tma_ok, device_reason, hopper_enabled, options_reason
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
-# (kind, head_dim) -> (column tile, STAGES); "dkdv+dq": dK/dV that also reduces dQ (DQ_REDUCE)
-HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3), ("dq", 64): (128, 3), ("dq", 128): (128, 2),
-                    ("dkdv+dq", 64): (64, 4), ("dkdv+dq", 128): (64, 3)}
+# (kind, head_dim) -> (column tile, STAGES)
+HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3), ("dq", 64): (128, 3), ("dq", 128): (128, 2)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def hopper_bwd_enabled() -> bool:
-    return os.environ.get("TILEATTN_HOPPER_BWD", "0") in ("1", "true", "yes")
 
 
 def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
@@ -57,8 +47,8 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
     (one short phrase). dlse and learnable sinks only change the preprocess, which both paths
     share; ``deterministic`` needs nothing (no atomics, one tile configuration)."""
-    if not hopper_bwd_enabled():
-        return "TILEATTN_HOPPER_BWD not set"
+    if not hopper_enabled():
+        return "TILEATTN_HOPPER=0"
     why = device_reason(q)
     if why is not None:
         return why
@@ -77,23 +67,11 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     return None
 
 
-def _fp32_descriptor(t: torch.Tensor, block: tuple[int, ...]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
-
-
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                    deterministic: bool = False) -> None:
+                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
-    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
-
-    By default one launch: dK/dV, with dQ added to an fp32 workspace by bulk reductions (5
-    matrix products per tile; the order of the additions varies from run to run). With
-    ``deterministic`` two: dK/dV, then dQ by a pass of its own (7 products, bitwise reproducible)."""
+    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``. Two
+    launches: dK/dV, then dQ."""
     from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -120,30 +98,18 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
         return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
 
     # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
-    kind = "dkdv" if deterministic else "dkdv+dq"
-    cols, stages = HOPPER_BWD_TILES[kind, head_dim]
-    dq_desc = None
-    if not deterministic:  # the (tokens, heads x head_dim) fp32 matrix the kernel's reductions add to
-        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        # hdim 128: each warpgroup reduces half of the columns (over all keys); a 32-column half at
-        # hdim 64 would cut a 128-byte swizzle atom of k's tile, so there each reduces all 64 (over its keys)
-        dq_cols = head_dim // 2 if head_dim >= 128 else head_dim
-        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, dq_cols))
+    cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
     _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
-        _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
+        _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
         *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
-        right, left, COL_PASSES=group, DKDV=True, DQ_REDUCE=not deterministic, MASK_LEFT=right >= 0,
-        MASK_RIGHT=left >= 0, STAGES=stages, **common)
-    if not deterministic:
-        torch.mul(dq_acc, scale, out=dq_acc)
-        dq.copy_(dq_acc.view(dq.shape))
-        return
+        right, left, COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
+        **common)
     # dQ: rows = queries, columns = keys
     cols, stages = HOPPER_BWD_TILES["dq", head_dim]
     _attn_bwd_hopper_kernel[(-(-seqlen_q // (2 * ROWS_WG)), nheads, batch)](
         _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
-        _descriptor(v, (1, cols, 1, head_dim)), None, dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+        _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
-        left, right, COL_PASSES=1, DKDV=False, DQ_REDUCE=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0,
-        STAGES=stages, **common)
+        left, right, COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
+        **common)

@@ -28,44 +28,23 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ, two ways. ``DQ_REDUCE`` (the default): the dK/dV program also forms each query tile's dQ
-share, dS K: both warpgroups store their dS^T rows into one shared [128 keys, BLOCK_C] tile
-(two of them, used in turn, with an mbarrier each), then at hdim 128 each warpgroup multiplies
-it by its half of k's columns, at hdim 64 its own rows by all of them, and adds the fp32 result
-to a workspace with a bulk asynchronous reduction (``cp.reduce.async.bulk``): 5 matrix products
-per tile, as in FlashAttention 2/3, but the order of the additions varies from run to run.
-Otherwise (``deterministic``) a second launch computes dQ per query block, recomputing S and
-dP (7 products); every gradient element is then written once, by one program summing in a
-fixed order, and the gradients are bitwise reproducible.
+dQ by a launch of its own, per query block, recomputing S and dP (7 matrix products per tile
+pair in all, against 5 when the dK/dV program also reduces its dQ share into a workspace, as
+FlashAttention 2/3 do): every gradient element is written once, by one program summing in a
+fixed order, so the gradients are bitwise reproducible, and on the H200 the two launches were
+faster than the one with bulk reductions in every case measured (docs/perf-notes.md).
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
-past the end get lse2 = +inf (P = 0, dK/dV; their dQ share is exactly 0, so the reductions may
-add it to whatever rows follow) or are masked (dQ's last key tile, always in the masked range);
-rows past the end are computed and not stored (with DQ_REDUCE, packed keys past a sequence's end
-get dS = 0 so they stay out of its dQ; a dense tile's are zeros already).
+past the end get lse2 = +inf (P = 0, dK/dV) or are masked (dQ's last key tile, always in the
+masked range); rows past the end are computed and not stored.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask
-
-
-@builtin
-def _reduce_add(desc, coord, value, _semantic=None):
-    """Add ``value`` (registers, the descriptor's block shape) to the tile of ``desc`` at ``coord``
-    with one bulk asynchronous reduction (``cp.reduce.async.bulk.tensor ... .add``). Gluon's
-    ``hopper.tma`` of Triton 3.6 has no reduction; this emits the op ``tl``'s descriptor
-    ``atomic_add`` emits, which the TMA lowering pass (run on Gluon modules too) turns into a copy
-    to shared memory, the bulk reduction, and a wait until the engine has *read* the buffer."""
-    from triton._C.libtriton import ir
-
-    offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, offsets)
 
 
 @gluon.jit
@@ -153,11 +132,11 @@ def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, strid
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta,
+def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta,
               CuSeqlensR, CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
               stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP: gl.constexpr,
-              COL_PASSES: gl.constexpr, DKDV: gl.constexpr, DQ_REDUCE: gl.constexpr, IS_VARLEN: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+              COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of the program's block, over every column tile
     the block sees (tiles outside this warpgroup's own range are masked whole, P = 0)."""
     r_full, c_full, d_full, empty = bars
@@ -193,18 +172,7 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
             w_rows = b.to(gl.int64) * stride_wb + h_row.to(gl.int64) * stride_wh + r_start + r_pos
             lse2 = gl.load(Lse2 + w_rows, mask=r_pos < seqlen_r, other=float("inf"))  # [ROWS]
             delta = gl.load(Delta + w_rows, mask=r_pos < seqlen_r, other=0.0)  # [ROWS]
-        if DQ_REDUCE:
-            ds_smem, ds_ready = ds_bufs
-            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # the columns of dQ a warpgroup reduces
-            SPLIT: gl.constexpr = DQ_N < HEAD_DIM
-            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, DQ_N, 16])
-            dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
-            dq_row0 = bd * seqlen_c + c_start  # the first query's row of the (tokens, heads x dim) workspace
         mbarrier.wait(r_full.index(WG), 0)
-        if DQ_REDUCE:
-            if SPLIT:  # the other warpgroup's k rows are read too
-                mbarrier.wait(r_full.index(1 - WG), 0)
         c = 0  # column tiles consumed so far
         for g in range(COL_PASSES):
             h_col = _col_head(h_row, g, GROUP, DKDV)
@@ -243,49 +211,16 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
                     p = gl.exp2(x * scale_log2 - lse2[:, None])  # [ROWS, BLOCK_C] P
                     y = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok,))
                     ds = p * (y - delta[:, None])  # [ROWS, BLOCK_C] dS
-                if IS_VARLEN and DQ_REDUCE:
-                    if row0 + ROWS > seqlen_r:  # keys past the sequence's end are the next one's: not in its dQ
-                        ds = gl.where((r_pos < seqlen_r)[:, None], ds, 0.0)
-                ds16 = ds.to(dtype)
-                ds_op = gl.convert_layout(ds16, op_layout)
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
                 # the register operands stay live until their products are done
-                if DQ_REDUCE:  # the tile's dQ, dS K: both warpgroups put their dS^T rows in one shared tile;
-                    # with SPLIT each then forms half of dQ's columns over all 128 keys (half the reduction
-                    # traffic), else all columns over its own 64 keys. Two such tiles, used in turn: a
-                    # warpgroup overwrites tile u only after the other arrived for the next column tile,
-                    # so after it finished reading tile u.
-                    u = c % 2
-                    ds_buf = ds_smem.index(u)  # [2 * ROWS, BLOCK_C]
-                    ds_buf.slice(WG * ROWS, ROWS, dim=0).store(ds16)
-                    fence_async_shared()
-                    if SPLIT:
-                        gl.thread_barrier()  # every thread's rows stored before the (single) arrival
-                        mbarrier.arrive(ds_ready.index(u), count=1)
+                if DKDV:
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)  # the dQ product reads no ring slot
-                    if SPLIT:
-                        mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
-                    if SPLIT:  # sum over w of dS[:, keys of w] K[keys of w, this warpgroup's half]
-                        dq = dq_zero
-                        for w in gl.static_range(2):  # a 64-column half: one 128-byte swizzle atom of k's rows
-                            k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
-                            dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
-                                               use_acc=w > 0, is_async=True)
-                    else:  # dS[:, own keys] K[own keys, :]
-                        dq = warpgroup_mma(ds_buf.slice(WG * ROWS, ROWS, dim=0).permute((1, 0)), a_tile, dq_zero,
-                                           use_acc=False, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # [BLOCK_C, DQ_N]
-                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + SPLIT * WG * DQ_N], dq)
-                elif DKDV:
-                    acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
                 else:
                     acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
+                mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
-        # both through this warpgroup's B tile: its A tile (k) may still be read by the other
-        # warpgroup's last dQ products
+        # both through this warpgroup's B tile, free after its last product
         rows_left = seqlen_r - row0
         _store_rows(Out1, acc1 * scale, b_tile, b, h_row, r_start + row0, rows_left, stride_1b, stride_1s, stride_1h)
         if DKDV:
@@ -294,11 +229,11 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, d
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(
-    a_desc, b_desc, c_desc, d_desc, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR, CuSeqlensC,
+    a_desc, b_desc, c_desc, d_desc, Out1, Out2, Lse2, Delta, CuSeqlensR, CuSeqlensC,
     stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb, stride_wh,
     seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right,
-    GROUP: gl.constexpr, COL_PASSES: gl.constexpr, DKDV: gl.constexpr, DQ_REDUCE: gl.constexpr,
-    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr, COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program (row block, row head, batch): dQ of 128 query rows of one query head
@@ -308,26 +243,13 @@ def _attn_bwd_hopper_kernel(
     by the launcher for dK/dV). Lse2, Delta: the preprocess's (batch, heads, seqlen_q) or packed
     (heads, tokens) workspaces, ``stride_wb`` = 0 when packed. ``IS_VARLEN``: the descriptors
     view packed (tokens, heads, dim) tensors as batch 1; sequence b owns rows
-    CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest.
-
-    ``DQ_REDUCE`` (with DKDV): the program also adds its keys' share of dQ (unscaled) to the fp32
-    workspace behind ``dq_desc``, a (batch x seqlen_q or tokens, heads x head_dim) matrix, so no
-    dQ launch is needed; columns past a sequence's end add exact zeros (their P is 0)."""
+    CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [2] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [2] + b_desc.block_type.shape, b_desc.layout)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
     d_ring = gl.allocate_shared_memory(dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
-    if DQ_REDUCE:  # two [128 keys, BLOCK_C] dS^T tiles, the A operand of the dQ products, and their barriers
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * a_desc.block_type.shape[1], c_desc.block_type.shape[1]],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' rows are in
-        ds_bufs = (ds_smem, ds_ready)
-    else:
-        ds_bufs: gl.constexpr = None
     r_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     c_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     d_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -340,14 +262,14 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     bars = (r_full, c_full, d_full, empty)
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
+        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
-                     DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, ds_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
+                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
-                     DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
         (_producer, (a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensR, CuSeqlensC,
                      seqlen_r, seqlen_c, window_left, window_right, GROUP, COL_PASSES, DKDV, IS_VARLEN, MASK_LEFT,
                      MASK_RIGHT, STAGES)),
