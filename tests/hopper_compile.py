@@ -35,6 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
+from tileattn.gpu import checks as check_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
@@ -48,7 +49,7 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 # tile loop's accumulators would take hundreds of bytes.
 GLUON_STACK_LIMIT = 128
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.bool: "*i1"}
 
 
 class Recorder:
@@ -376,6 +377,14 @@ def record_hopper(launcher, module, name, *args, **kwargs):
     return launches
 
 
+def check_cases():
+    """The KV cache's device check: lengths alone, with left pads, with a block table."""
+    lens = torch.tensor([3, 40, 7], dtype=torch.int32)
+    table = torch.zeros(3, 100, dtype=torch.int32)
+    return [("cache check", (lens, 64), {}), ("cache check leftpad", (lens, 64), dict(leftpad=lens.clone())),
+            ("cache check paged", (lens, 64), dict(block_table=table, new_tokens=1, block_size=16, num_blocks=9))]
+
+
 def main() -> int:
     failures = 0
     todo = []
@@ -395,6 +404,9 @@ def main() -> int:
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
     for name, tensors, kwargs in append_cases():
         todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
+    for name, args, kwargs in check_cases():
+        todo += [(name, *launch) for launch in record_hopper(check_launcher.cache_values_ok, check_launcher,
+                                                             "_cache_check_kernel", *args, **kwargs)]
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor

@@ -14,15 +14,17 @@ one producer warp), launched twice:
   recomputed: 7 matrix products per tile pair in all, every gradient element written once, so
   the gradients are bitwise reproducible whatever ``deterministic`` says).
 
-Tiles per (kind, head dim): (column tile, STAGES). Shared memory = the rows' two tiles (2 x 128
-x d) + STAGES x the two column tiles; registers, not shared memory, hold one program per SM, so
-the rings are as deep as fits: dK/dV hdim 128, 64 queries x 3 stages -> 64 + 96 = 160 KB (hdim
-64: 32 + 4 x 16 = 96 KB); dQ hdim 128, 128 keys x 2 stages -> 64 + 128 = 192 KB (hdim 64: 32 +
-3 x 32 = 128 KB). dK/dV keeps 64-query tiles: with dK and dV in registers (2 x 64 fp32 per
-thread at hdim 128) a 128-wide S^T and dP^T tile spills. Registers: 12 warps, at most
-``MAXNREG`` = 168 per thread on average; setmaxnreg gives each consumer thread
-``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384).
-tests/hopper_compile.py checks every variant for shared memory, spills and serialised wgmma.
+Tiles per (kind, head dim): (column tile, STAGES), the best of a sweep on the H200 (bwd-only
+TFLOP/s at 8k tokens, hidden 2048, docs/perf-notes.md). Shared memory = the rows' two tiles (2 x
+128 x d) + STAGES x the two column tiles: dK/dV hdim 128, 64 queries x 2 stages -> 64 + 64 = 128
+KB (3 or 4 stages measured the same); hdim 64, 128 queries x 2 stages -> 32 + 64 = 96 KB (11-14 %
+faster than 64-query tiles); dQ hdim 128, 64 keys x 3 stages -> 64 + 96 = 160 KB (4-6 % faster
+than 128 x 2); hdim 64, 128 keys x 3 stages -> 32 + 96 = 128 KB. At hdim 128 dK/dV stays at
+64-query tiles: with dK and dV in registers (2 x 64 fp32 per thread) a 128-wide S^T and dP^T
+tile spills. Registers: 12 warps, at most ``MAXNREG`` = 168 per thread on average; setmaxnreg
+gives each consumer thread ``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24
+<= 168 x 384). tests/hopper_compile.py checks every variant for shared memory, spills and
+serialised wgmma.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .hopper import MAXNREG, _descriptor, _tma_ok, device_reason, hopper_enabled
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
-HOPPER_BWD_TILES = {("dkdv", 64): (64, 4), ("dkdv", 128): (64, 3), ("dq", 64): (128, 3), ("dq", 128): (128, 2)}
+HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)

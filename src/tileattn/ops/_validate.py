@@ -23,7 +23,6 @@ the way ``value_mode`` says:
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import operator
@@ -575,31 +574,23 @@ def _check_extent(lo: int, hi: int, new_tokens: int, capacity: int, rotary_len, 
 
 def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
                            rotary_reach, table_name, leftpad, lengths_name) -> None:
-    """``check_cache_values`` as reductions on the device and one asynchronous assertion."""
+    """``check_cache_values`` in one kernel on the device (``gpu.checks``) and one asynchronous
+    assertion."""
+    from ..gpu.checks import cache_values_ok
+
     top = capacity - new_tokens
     if rotary_len is not None:
         top = min(top, rotary_len - rotary_reach)
-    ok = within(seqlens, 0, top)
     what = f"{lengths_name} (+ {new_tokens} new tokens) must lie within 0..{capacity}"
     if rotary_len is not None:
         what += f" and within the {rotary_len} rotary positions"
     if leftpad is not None:
-        ok = ok & leftpad.clamp(min=0).minimum(seqlens).eq(leftpad).all()
         what += "; cache_leftpad within 0..cache_seqlens"
     if block_table is not None and block_table.numel() > 0:
-        ends = seqlens + new_tokens if new_tokens else seqlens  # keys of each sequence after the append
-        starts = _page_starts(block_table.shape[1], block_size, seqlens.device)
-        in_use = torch.where(starts < ends[:, None], block_table, 0)
-        ok = ok & within(in_use, 0, num_blocks - 1)
         what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
+    ok = cache_values_ok(seqlens, top, leftpad=leftpad, block_table=block_table, new_tokens=new_tokens,
+                         block_size=block_size, num_blocks=num_blocks)
     assert_on_device(ok, what)
-
-
-@functools.lru_cache(maxsize=64)
-def _page_starts(pages: int, block_size: int, device) -> torch.Tensor:
-    """The first key position of each page of a block table row, made once per shape and device
-    (one kernel less in every paged call's device check)."""
-    return torch.arange(0, pages * block_size, block_size, device=device, dtype=torch.int32)
 
 
 def _cache_facts(seqlens, block_table, block_size: int):

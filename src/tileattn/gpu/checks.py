@@ -1,0 +1,48 @@
+"""Launcher of the device-side value check of a KV cache (``tileattn.kernels.checks``).
+
+``cache_values_ok`` returns a one-element boolean tensor on the cache's device without reading
+anything on the host; ``tileattn.ops._validate`` asserts it asynchronously. One launch replaces
+the ~4 (contiguous) to ~10 (paged) elementwise and reduction kernels the same check costs
+written with torch operations: a decoding step is bound by launches, not by this kernel's few
+reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.checks import _cache_check_kernel
+from ._launch import int_class, launch_for, next_power_of_2
+
+__all__ = ["cache_values_ok"]
+
+_MAX_TILE = 4096  # block-table entries the program looks at per step
+_MAX_ROWS = 1024  # sequences per step without a block table
+_FIRST_INT = _cache_check_kernel.arg_names.index("batch")
+
+
+def cache_values_ok(seqlens: torch.Tensor, top: int, *, leftpad=None, block_table=None, new_tokens: int = 0,
+                    block_size: int = 1, num_blocks: int = 0) -> torch.Tensor:
+    """True (a one-element bool tensor on seqlens' device) when every length lies in 0..``top``,
+    every ``leftpad`` in 0..its length and every ``block_table`` entry of a page in use after
+    appending ``new_tokens`` in 0..``num_blocks - 1``. int32 vectors (batch,) and an int32
+    (batch, pages) table, any strides, on one device."""
+    batch = seqlens.shape[0]
+    paged = block_table is not None and block_table.numel() > 0
+    if paged:
+        pages = block_table.shape[1]
+        block_p = min(next_power_of_2(pages), _MAX_TILE)
+        block_b = min(next_power_of_2(batch), max(1, _MAX_TILE // block_p))
+        strides = block_table.stride()
+    else:
+        pages, strides, block_table = 0, (0, 0), None
+        block_p, block_b = 1, min(next_power_of_2(batch), _MAX_ROWS)
+    ints = (batch, pages, seqlens.stride(0), 0 if leftpad is None else leftpad.stride(0), *strides, top, new_tokens,
+            block_size, num_blocks)
+    flags = dict(HAS_LEFTPAD=leftpad is not None, PAGED=paged, BLOCK_B=block_b, BLOCK_P=block_p)
+    tensors = (seqlens.dtype, leftpad is not None and leftpad.dtype, paged and block_table.dtype)
+    launch = launch_for(_cache_check_kernel, flags, dict(num_warps=4),
+                        (tensors, int_class(_cache_check_kernel, _FIRST_INT, ints)))
+    ok = torch.empty(1, dtype=torch.bool, device=seqlens.device)
+    launch((1, 1, 1), seqlens, leftpad, block_table, ok, *ints)
+    return ok
