@@ -121,9 +121,18 @@ def test_hopper_sinks_and_views():
 
 
 def test_hopper_deterministic():
-    """No reductions, one tile config: two runs give bitwise the same gradients."""
+    """No reductions, one tile config: two runs give bitwise the same gradients, the second
+    launched straight to the compiled kernels (``launch_gluon``: dK/dV and dQ)."""
+    from tileattn.gpu import _launch
+    from tileattn.kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
+
+    def fast_calls():
+        return sum(launch.fast_calls for key, launch in _launch._LAUNCHES.items() if key[0] is _attn_bwd_hopper_kernel)
+
     first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    before = fast_calls()
     second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    assert fast_calls() == before + 2, "the second backward went through JITFunction.run"
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 

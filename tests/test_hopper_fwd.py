@@ -153,6 +153,36 @@ def test_hopper_fp32_output():
     assert not torch.equal(out32, out16.float()), "the fp32 output was rounded to bf16"
 
 
+def test_hopper_launch_skips_triton_after_the_first_call():
+    """A shape class's later calls go straight to the compiled kernel (``launch_gluon`` through
+    ``_launch.Launch``) and give bitwise the same output; a call with sinks, whose kernel differs,
+    gets a launch of its own and the sinks' values."""
+    from tileattn.gpu import _launch
+    from tileattn.kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 300, 4, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
+    params = AttnParams(128**-0.5, -1, 0)
+
+    def call(sink=None):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, 4, 300), float("nan"), device="cuda")
+        hopper_attn_fwd(q, k, v, out, lse, params=params, learnable_sink=sink)
+        return out, lse
+
+    def fast_calls():
+        return sum(launch.fast_calls for key, launch in _launch._LAUNCHES.items() if key[0] is _attn_fwd_hopper_kernel)
+
+    first, before = call(), fast_calls()
+    second = call()
+    assert fast_calls() == before + 1, "the second call went through JITFunction.run"
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    sink = torch.full((4,), 30.0, device="cuda")  # a sink far above every score takes all the weight
+    out, lse = call(sink)
+    torch.cuda.synchronize()
+    assert out.abs().max() < 1e-6 and torch.allclose(lse, torch.full_like(lse, 30.0))
+
+
 def test_hopper_refuses_the_serving_calls():
     """What the Hopper kernel cannot read goes to the portable kernel: an FP8 cache (even dense
     and without seqused_k), a mixed batch over a paged cache, packed keys limited by seqused_k."""

@@ -27,7 +27,8 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
-__all__ = ["Launch", "cdiv", "config_options", "contiguous_strides", "int_class", "launch_for", "next_power_of_2"]
+__all__ = ["Launch", "arg_classes", "cdiv", "config_options", "contiguous_strides", "int_class", "launch_for",
+           "next_power_of_2"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -46,6 +47,27 @@ def int_class(fn, first: int, values) -> tuple:
     names = fn.arg_names[first:first + len(values)]
     return tuple((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX)
                  for name, v in zip(names, values))
+
+
+def arg_classes(fn, args) -> tuple:
+    """How Triton specialises each runtime argument of ``fn`` (all of them, in signature order):
+    a tensor's dtype, None, an integer's class (as ``int_class``), a tensor descriptor's block
+    shape and dtype (its layout follows from them: the launchers make it so), else the type.
+    For launches whose arguments change kind from call to call (the Gluon kernels' optional
+    tensors and their integers): a ``launch_for`` signature computed per call."""
+    loose = fn.do_not_specialize
+    classes = []
+    for name, v in zip(fn.arg_names, args):
+        if isinstance(v, torch.Tensor):
+            classes.append(v.dtype)
+        elif v is None or isinstance(v, (bool, float)):
+            classes.append(v if v is None else type(v))
+        elif isinstance(v, int):
+            classes.append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0,
+                                                                                _I32_MIN <= v <= _I32_MAX))
+        else:  # a TensorDescriptor
+            classes.append((tuple(v.block_shape), v.base.dtype))
+    return tuple(classes)
 
 
 MAX_PLANS = 1024  # launch plans a launcher keeps (shape classes); all are dropped when full

@@ -21,10 +21,10 @@ KB (3 or 4 stages measured the same); hdim 64, 128 queries x 2 stages -> 32 + 64
 faster than 64-query tiles); dQ hdim 128, 64 keys x 3 stages -> 64 + 96 = 160 KB (4-6 % faster
 than 128 x 2); hdim 64, 128 keys x 3 stages -> 32 + 96 = 128 KB. At hdim 128 dK/dV stays at
 64-query tiles: with dK and dV in registers (2 x 64 fp32 per thread) a 128-wide S^T and dP^T
-tile spills. Registers: 12 warps, at most ``MAXNREG`` = 168 per thread on average; setmaxnreg
-gives each consumer thread ``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24
-<= 168 x 384). tests/hopper_compile.py checks every variant for shared memory, spills and
-serialised wgmma.
+tile spills. Registers (``gpu/hopper.py``'s split, the forward's too): 12 warps, at most
+``MAXNREG`` = 168 per thread on average; setmaxnreg gives each consumer thread
+``CONSUMER_REGS`` = 240 and the producer 24 (2 x 128 x 240 + 32 x 24 <= 168 x 384).
+tests/hopper_compile.py checks every variant for shared memory, spills and serialised wgmma.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import torch
 
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
-from .hopper import MAXNREG, _descriptor, _tma_ok, device_reason, hopper_enabled, options_reason
+from ._launch import cdiv
+from .hopper import _descriptor, _tma_ok, device_reason, hopper_enabled, launch_gluon, options_reason
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
 HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
-CONSUMER_REGS, PRODUCER_REGS = 240, 24
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -92,8 +92,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     group = nheads // nheads_k
     left, right = params.window_left, params.window_right
     scale = float(params.softmax_scale)
-    common = dict(num_warps=4, maxnreg=MAXNREG, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  GROUP=group, IS_VARLEN=varlen)
+    common = dict(GROUP=group, IS_VARLEN=varlen)
     rows = (1, ROWS_WG, 1, head_dim)
 
     def strides(t):  # (batch, row, head) strides of an output; packed outputs are one batch
@@ -101,17 +100,17 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
 
     # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
     cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
-    _attn_bwd_hopper_kernel[(-(-seqlen_k // (2 * ROWS_WG)), nheads_k, batch)](
+    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
         *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
-        right, left, COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
-        **common)
+        right, left), dict(COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
+                           **common))
     # dQ: rows = queries, columns = keys
     cols, stages = HOPPER_BWD_TILES["dq", head_dim]
-    _attn_bwd_hopper_kernel[(-(-seqlen_q // (2 * ROWS_WG)), nheads, batch)](
+    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_q, 2 * ROWS_WG), nheads, batch), (
         _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
         _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
-        left, right, COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
-        **common)
+        left, right), dict(COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
+                           **common))
