@@ -344,7 +344,7 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         assert_within(f"{name} dsink", dsink.cpu(), plains[5], refs[5], factor=GRAD_FACTOR)
 
 
-def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str) -> None:
+def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     device = torch.device(device_type, rank if device_type == "cuda" else None)
     if device_type == "cuda":
@@ -354,7 +354,9 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
     failures = {}
     # new_group must be entered by every rank, in the same order.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else None
-    for name in _cases_for(world):
+    for name in cases:
+        with open(f"{result_dir}/rank{rank}.progress", "a") as f:  # where a rank was when a deadline struck
+            f.write(f"{time.monotonic():.1f} {name}\n")
         pair_case = CASES[name].get("pairs", False)
         group = pairs[rank // 2] if pair_case else None
         forced = CASES[name].get("backend") if device_type == "cpu" else None
@@ -375,16 +377,27 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
 # ----------------------------------------------------------------------------- spawning
 
 
-def _spawn(world: int, device_type: str, tmp) -> list[dict]:
-    """Run every case on ``world`` fresh processes; per rank {case: traceback or None}."""
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / "pg"), str(tmp), device_type), nprocs=world,
+def _spawn(world: int, device_type: str, tmp, cases: list[str] | None = None) -> list[dict]:
+    """Run ``cases`` (default: every case of this world) on ``world`` fresh processes; per rank
+    {case: traceback or None}."""
+    cases = _cases_for(world) if cases is None else cases
+    start = time.monotonic()
+    ctx = mp.start_processes(_worker, args=(world, str(tmp / "pg"), str(tmp), device_type, cases), nprocs=world,
                              join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    deadline = start + SPAWN_DEADLINE_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"ring of {world} processes did not finish in {SPAWN_DEADLINE_S} s (hang?)")
+            where = []
+            for r in range(world):
+                progress = tmp / f"rank{r}.progress"
+                lines = progress.read_text().split("\n")[-2:-1] if progress.exists() else []
+                stamp, _, name = lines[0].partition(" ") if lines else ("", "", "")
+                where.append(f"rank {r}: " + (f"in {name} for {time.monotonic() - float(stamp):.0f} s" if name
+                                              else "no case started"))
+            pytest.fail(f"ring of {world} processes did not finish in {SPAWN_DEADLINE_S} s (hang?); "
+                        + "; ".join(where))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -403,9 +416,15 @@ def test_ring_matches_reference(world, tmp_path):
 
 
 @pytest.mark.gpu
-def test_ring_on_nccl_matches_reference(tmp_path):
-    """The same cases on the GPUs of this host (NCCL, the Triton backend), up to 4 ranks."""
-    _assert_all_passed(_spawn(min(4, torch.cuda.device_count()), "cuda", tmp_path))
+@pytest.mark.parametrize("case", [name for name, c in CASES.items() if c.get("backend") is None])
+def test_ring_on_nccl_matches_reference(case, tmp_path):
+    """The same cases on the GPUs of this host (NCCL, the Triton backend), up to 4 ranks, one
+    process group per case: the kernels a world compiles first dominate its time, and cases
+    in parallel (pytest-xdist) compile in parallel."""
+    world = min(4, torch.cuda.device_count())
+    if case not in _cases_for(world):
+        pytest.skip(f"{case} runs two rings of 2 ranks: it needs 4 GPUs, this host has {world}")
+    _assert_all_passed(_spawn(world, "cuda", tmp_path, [case]))
 
 
 # ----------------------------------------------------------------------------- no process group needed
