@@ -205,14 +205,15 @@ def _inputs(case, world: int, seed: int):
     return q, k, v, dout, slopes, sink, dlse
 
 
-def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int):
+def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int, device):
     """(ref64, plain) lists for out, lse, dq, dk, dv (and dsink with sinks) of the whole sequence /
-    packed batch, for the loss sum(out * dout) + sum(lse * dlse)."""
+    packed batch, for the loss sum(out * dout) + sum(lse * dlse). With dropout, the seed the
+    whole-sequence call would draw on the ring's ``device`` (CUDA and CPU generators differ)."""
     opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
                 softmax_scale=case.get("softmax_scale"))
     if case.get("dropout"):  # the seed the ring draws after torch.manual_seed(DROPOUT_SEED), as one call would
         torch.manual_seed(DROPOUT_SEED)
-        opts.update(dropout_p=case["dropout"], dropout_seed=draw_dropout_seed(case["dropout"]))
+        opts.update(dropout_p=case["dropout"], dropout_seed=draw_dropout_seed(case["dropout"], device))
     alibi = None if slopes is None else slopes.double().numpy()
     sink64 = None if sink is None else sink.double().numpy()
 
@@ -331,7 +332,7 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
     else:  # the loss sum(out * dout) + sum(lse * dlse)
         torch.autograd.backward((out, lse), (mine(dout).to(device), mine(dlse, lse_dim).to(device)))
 
-    refs, plains = _oracle(case, q, k, v, dout, slopes, sink, dlse, world)
+    refs, plains = _oracle(case, q, k, v, dout, slopes, sink, dlse, world, device)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert_within(f"{name} out", out, mine(plains[0]), mine(refs[0]))
     assert_within(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
