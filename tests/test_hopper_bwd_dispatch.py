@@ -30,7 +30,7 @@ def _tensors(batch=1, seqlen_q=70, seqlen_k=90, nheads=4, nheads_k=2, d=64, dtyp
 
 def test_reason_names_the_switch_and_the_device(monkeypatch):
     dout, q, k, v, _, _ = _tensors()
-    args = (dout, q, k, v, q, k, v, AttnParams(0.125, -1, 0))
+    args = (dout, q, k, v, q, k, v, AttnParams(0.125, -1, -1))
     monkeypatch.setenv("TILEATTN_HOPPER", "0")
     assert hopper_bwd.hopper_bwd_reason(*args) == "TILEATTN_HOPPER=0"
     monkeypatch.delenv("TILEATTN_HOPPER")
@@ -110,3 +110,27 @@ def test_launches(monkeypatch, window, varlen):
     if varlen:  # packed: one batch to the descriptors and the output strides
         assert args_kv["stride_1b"] == 0 and args_q["stride_1b"] == 0 and args_q["stride_wb"] == 0
         assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
+
+
+@pytest.mark.parametrize("rows, fwd, bwd", [(512, True, True), (513, True, False), (1024, True, False),
+                                            (1025, False, False)])
+def test_short_causal_hd64_goes_to_the_portable_kernels(rows, fwd, bwd):
+    """SHORT_CAUSAL_HD64: causal at head dim 64 up to 1024 rows (forward) / 512 (backward) is told
+    no before the device is looked at; head dim 128, no mask or a window are not; packed calls
+    count the longest sequence (max_seqlen_q)."""
+    from tileattn.gpu.hopper import hopper_fwd_reason
+
+    short = "short causal at head dim 64"
+
+    def reasons(q, params, **packed):
+        f = hopper_fwd_reason(q, q, q, params, alibi_slopes=None, varlen=bool(packed), paged=False, seqused_k=None,
+                              num_splits=0, **packed)
+        b = hopper_bwd.hopper_bwd_reason(q, q, q, q, q, q, q, params, varlen=bool(packed), **packed)
+        return f == short, b == short
+
+    causal = AttnParams(0.125, -1, 0)
+    assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), causal) == (fwd, bwd)
+    assert reasons(torch.empty(3 * rows, 2, 64, dtype=torch.bfloat16), causal, max_seqlen_q=rows) == (fwd, bwd)
+    assert reasons(torch.empty(1, rows, 2, 128, dtype=torch.bfloat16), causal) == (False, False)
+    for other in (AttnParams(0.125, -1, -1), AttnParams(0.125, 64, 0)):
+        assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), other) == (False, False)

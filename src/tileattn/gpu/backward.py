@@ -141,7 +141,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
     hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
-                               varlen=cu_seqlens_q is not None) is None
+                               varlen=cu_seqlens_q is not None, max_seqlen_q=max_seqlen_q) is None
     key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape[-1], v.stride(), out.stride(), lse.shape, lse.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, dq.dtype, dk.dtype,
            dv.dtype, lse.dtype, q.device,

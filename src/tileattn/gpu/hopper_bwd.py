@@ -34,7 +34,7 @@ import torch
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
 from ._launch import cdiv
-from .hopper import _descriptor, _tma_ok, device_reason, hopper_enabled, launch_gluon, options_reason
+from .hopper import _descriptor, _tma_ok, device_reason, hopper_enabled, launch_gluon, options_reason, short_causal
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
@@ -45,10 +45,14 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
-                      varlen: bool = False) -> str | None:
+                      varlen: bool = False, max_seqlen_q: int = 0) -> str | None:
     """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
     (one short phrase). dlse and learnable sinks only change the preprocess, which both paths
-    share; ``deterministic`` needs nothing (no atomics, one tile configuration)."""
+    share; ``deterministic`` needs nothing (no atomics, one tile configuration). The shape
+    rule comes first, as the forward's."""
+    seq_dim = 0 if varlen else 1
+    if short_causal(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim], "bwd"):
+        return "short causal at head dim 64"
     if not hopper_enabled():
         return "TILEATTN_HOPPER=0"
     why = device_reason(q)
@@ -58,7 +62,6 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
         return "dtypes " + " / ".join(str(t.dtype) for t in (q, k, v, dout, dq, dk, dv))
     if ("dq", q.shape[-1]) not in HOPPER_BWD_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]} / {v.shape[-1]}"
-    seq_dim = 0 if varlen else 1
     if q.shape[0] == 0 or q.shape[seq_dim] == 0 or k.shape[seq_dim] == 0:
         return "empty batch, queries or keys"
     why = options_reason(params, alibi_slopes)
