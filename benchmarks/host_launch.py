@@ -12,8 +12,12 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
 * ``attn_fwd``: the whole launcher (plan lookup, split workspace, forward and combine
   launches), every launch direct.
 
-The ops layer (``flash_attn_with_kvcache``'s checks) is not included: overhead.py times whole
-calls on the GPU.
+Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
+device-side value check's launch and assertion, the append, the launcher) for the same
+decoding step, contiguous and paged (blocks of 16), with and without a new token appended:
+issue #17's "host time of one eager call, measured without the kernel". The value checks run
+as they do on a GPU (``value_mode`` "device"); the assertion is made on a true flag, since the
+stand-in check kernel writes nothing. overhead.py times whole calls on the GPU.
 
     python benchmarks/host_launch.py [--calls 2000] [--repeat 7]
 """
@@ -33,9 +37,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
+import tileattn  # noqa: E402
 import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
+import tileattn.gpu.checks as C  # noqa: E402
+import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
+from tileattn.ops import _validate  # noqa: E402
 
 
 class _Compiled(CompiledKernel):
@@ -104,6 +112,24 @@ def cases():
     yield "prefill 512", (qp, qp, qp, torch.empty_like(qp), torch.empty((4, 16, 512))), {}
 
 
+def whole_calls():
+    """(name, call) of flash_attn_with_kvcache decoding steps: batch 1, GQA 32/8, hdim 128, 8k keys."""
+    dt = torch.bfloat16
+    q = torch.randn(1, 1, 32, 128, dtype=dt)
+    kc, vc = torch.randn(1, 8192, 8, 128, dtype=dt), torch.randn(1, 8192, 8, 128, dtype=dt)
+    pool_k, pool_v = torch.randn(512, 16, 8, 128, dtype=dt), torch.randn(512, 16, 8, 128, dtype=dt)
+    table = torch.arange(512, dtype=torch.int32).view(1, 512)
+    lens = torch.full((1,), 8000, dtype=torch.int32)
+    new = torch.randn(1, 1, 8, 128, dtype=dt)
+    yield "decode contiguous", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    yield "decode paged16", lambda: tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                                                      block_table=table)
+    yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, k=new, v=new,
+                                                                                  cache_seqlens=lens)
+    yield "decode paged16 + append", lambda: tileattn.flash_attn_with_kvcache(
+        q, pool_k, pool_v, k=new, v=new, cache_seqlens=lens, block_table=table)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
@@ -129,6 +155,15 @@ def main():
         call_us = median_us(lambda: A.attn_fwd(*tensors, params=params, **opts), args.calls, args.repeat)
         assert plan.fwd.fast_calls > 0, "the direct launch was not taken"
         print(f"{name:24s} {triton_us:14.1f} {direct_us:14.1f} {call_us:10.1f}")
+    # the whole eager call, as on a GPU: the Triton backend, value checks on the device
+    os.environ["TILEATTN_BACKEND"] = "triton"
+    C._cache_check_kernel, KV._append_kv_kernel = _Kernels(C._cache_check_kernel), _Kernels(KV._append_kv_kernel)
+    _validate.value_mode = lambda t: "device"
+    true = torch.ones(1, dtype=torch.bool)
+    _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
+    print(f"\n{'flash_attn_with_kvcache, whole eager call':44s} {'µs per call, median':>20s}")
+    for name, call in whole_calls():
+        print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@
 #    GPUs or more: the multi-GPU kinds): the public-API tests (test_api, test_varlen,
 #    test_decode) then run the Triton kernels on CUDA tensors, test_triton_* compile their
 #    cases for the GPU, and the `gpu`-marked tests run (large shapes, CUDA graphs, bf16
-#    transformers models, ring attention on NCCL). With TILEATTN_AUTOTUNE=0 (the default
-#    here; set it to 1 to test the autotuned path) each kernel runs its first-choice tile
-#    instead of timing every config of every new shape class, which a cold machine cannot
-#    afford in a test run; benchmarks/run_gpu.sh autotunes and checks its outputs;
+#    transformers models). With TILEATTN_AUTOTUNE=0 (the default here; set it to 1 to test
+#    the autotuned path) each kernel runs its first-choice tile instead of timing every config
+#    of every new shape class, which a cold machine cannot afford in a test run;
+#    benchmarks/run_gpu.sh autotunes and checks its outputs;
+# 1b. ring attention on NCCL over every GPU of the host (tests/test_ring.py -k nccl: one process
+#    group per case, 8 cases at once; 2 GPUs, 31 cases: 114 s on 2026-11-30);
 # 2. examples/serve.py on CUDA (paged cache, decoding replayed from a CUDA graph, every
 #    answer checked against a full recomputation);
 # 3. ring attention's GPU path at world size 1 under torchrun;
@@ -67,8 +69,11 @@ if ((GPUS >= 2)); then
   CUDA_VISIBLE_DEVICES=0 step pytest_a "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \
     --durations=10 "${PAR[@]}" "${HALF_A[@]}" &
   CUDA_VISIBLE_DEVICES=1 step pytest_b "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \
-    --durations=10 "${PAR[@]}" "${HALF_B[@]}" &
+    --durations=10 "${PAR[@]}" -k "not nccl" "${HALF_B[@]}" &
   wait
+  # every GPU visible; the ranks' processes compile their kernels first, so a case may take minutes
+  TILEATTN_RING_TEST_DEADLINE_S=200 step ring_nccl 220 "$PY" -m pytest -q -rfE -p no:cacheprovider \
+    "${PAR[@]}" tests/test_ring.py -k nccl
 else
   step pytest "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=15 "${PAR[@]}" \
     --ignore=tests/test_hopper_compile.py tests

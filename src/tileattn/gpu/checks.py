@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 
 from ..kernels.checks import _cache_check_kernel
-from ._launch import int_class, launch_for, next_power_of_2
+from ._launch import Launch, next_power_of_2
 
 __all__ = ["cache_values_ok"]
 
 _MAX_TILE = 4096  # block-table entries the program looks at per step
 _MAX_ROWS = 1024  # sequences per step without a block table
-_FIRST_INT = _cache_check_kernel.arg_names.index("batch")
+_LAUNCHES: dict[tuple, Launch] = {}  # (kernel, device, dtypes, tiles) -> Launch; no integer is specialised
 
 
 def cache_values_ok(seqlens: torch.Tensor, top: int, *, leftpad=None, block_table=None, new_tokens: int = 0,
@@ -39,10 +39,15 @@ def cache_values_ok(seqlens: torch.Tensor, top: int, *, leftpad=None, block_tabl
         block_p, block_b = 1, min(next_power_of_2(batch), _MAX_ROWS)
     ints = (batch, pages, seqlens.stride(0), 0 if leftpad is None else leftpad.stride(0), *strides, top, new_tokens,
             block_size, num_blocks)
-    flags = dict(HAS_LEFTPAD=leftpad is not None, PAGED=paged, BLOCK_B=block_b, BLOCK_P=block_p)
-    tensors = (seqlens.dtype, leftpad is not None and leftpad.dtype, paged and block_table.dtype)
-    launch = launch_for(_cache_check_kernel, flags, dict(num_warps=4),
-                        (tensors, int_class(_cache_check_kernel, _FIRST_INT, ints)))
+    # the kernel specialises none of its integers (do_not_specialize), and Launch checks their
+    # i32 range per call: the dtypes and constexprs alone pick the compiled kernel
+    key = (_cache_check_kernel, seqlens.device, seqlens.dtype, leftpad is not None and leftpad.dtype,
+           paged and block_table.dtype, block_b, block_p)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = Launch(_cache_check_kernel, dict(HAS_LEFTPAD=leftpad is not None, PAGED=paged,
+                                                                   BLOCK_B=block_b, BLOCK_P=block_p),
+                                         dict(num_warps=4))
     ok = torch.empty(1, dtype=torch.bool, device=seqlens.device)
     launch((1, 1, 1), seqlens, leftpad, block_table, ok, *ints)
     return ok

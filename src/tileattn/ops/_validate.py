@@ -155,10 +155,9 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False, headdim_v: bool = F
         fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         fail(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type not in ("cpu", "cuda"):
-        backend_name(q.device)  # raises: unsupported device
-    if q.dtype not in _LOW_PRECISION and not (q.dtype == torch.float64 and backend_name(q.device) == "cpu"):
-        allowed = _LOW_PRECISION + ((torch.float64,) if backend_name(q.device) == "cpu" else ())
+    backend = backend_name(q.device)  # raises on an unsupported device or TILEATTN_BACKEND value
+    if q.dtype not in _LOW_PRECISION and not (q.dtype == torch.float64 and backend == "cpu"):
+        allowed = _LOW_PRECISION + ((torch.float64,) if backend == "cpu" else ())
         fail(TypeError, f"dtype {q.dtype} is not supported here: use one of {', '.join(map(str, allowed))}")
     want = 3 if packed else 4
     if q.dim() != want:
@@ -171,7 +170,6 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False, headdim_v: bool = F
         if not cache and t.dim() != want:
             fail(ValueError, f"{name} must be {want}-D {'(total_tokens' if packed else '(batch, seqlen'}, nheads, "
                              f"headdim), got shape {tuple(t.shape)}")
-    backend = backend_name(q.device)
     if headdim_v and k.shape[:-1] == v.shape[:-1]:
         if not 1 <= v.shape[-1] <= MAX_HEADDIM_V[backend]:
             fail(ValueError, f"v's headdim must be between 1 and {MAX_HEADDIM_V[backend]} on the {backend} path, "
@@ -581,6 +579,11 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
     top = capacity - new_tokens
     if rotary_len is not None:
         top = min(top, rotary_len - rotary_reach)
+    ok = cache_values_ok(seqlens, top, leftpad=leftpad, block_table=block_table, new_tokens=new_tokens,
+                         block_size=block_size, num_blocks=num_blocks)
+    if ok.is_cuda:  # a device assertion carries no message: none is built on the decoding path
+        assert_on_device(ok, "")
+        return
     what = f"{lengths_name} (+ {new_tokens} new tokens) must lie within 0..{capacity}"
     if rotary_len is not None:
         what += f" and within the {rotary_len} rotary positions"
@@ -588,8 +591,6 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
         what += "; cache_leftpad within 0..cache_seqlens"
     if block_table is not None and block_table.numel() > 0:
         what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
-    ok = cache_values_ok(seqlens, top, leftpad=leftpad, block_table=block_table, new_tokens=new_tokens,
-                         block_size=block_size, num_blocks=num_blocks)
     assert_on_device(ok, what)
 
 
