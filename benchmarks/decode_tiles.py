@@ -12,9 +12,11 @@ token), on the cases the targets of issue #5 name:
   programs fill the GPU).
 
 Every output is compared with the fp32 reference of ``decode.py``. The table lists the best
-few per case beside the current default.
+few per case beside the current default. ``--fp8`` stores the caches in float8_e4m3fn (descales
+per sequence and KV head; the reference reads the dequantised values; GB/s counts the fp8 bytes).
 
     python benchmarks/decode_tiles.py [--out DIR] [--smoke] [--only SUBSTRING ...] [--tiles 128x4x3 ...] [--l2 zero|read]
+                                      [--fp8]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def run(args) -> list[dict]:
     import tileattn.gpu.attention as launch
 
     dev = args.device
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    dtype = torch.bfloat16 if dev == "cuda" or args.fp8 else torch.float32  # an FP8 cache takes a 16-bit q
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] or (TILES[:2] if args.smoke else TILES)
     names = ("DECODE_BLOCK_N", "DECODE_BLOCK_N_WHOLE_PAGES", "DECODE_NUM_WARPS", "DECODE_MAX_STAGES")
     saved = {name: getattr(launch, name) for name in names}
@@ -58,12 +60,21 @@ def run(args) -> list[dict]:
         q = torch.randn(b, 1, decode.NHEADS, decode.HDIM, device=dev, dtype=dtype, generator=g)
         kc, vc = (torch.randn(b, n, decode.NHEADS_K, decode.HDIM, device=dev, dtype=dtype, generator=g)
                   for _ in range(2))
-        ref = decode.reference(q, kc, vc)
+        descales = {}
+        if args.fp8:  # the stored values and what they stand for
+            from tileattn.ops.fp8 import quantize
+
+            k_descale, v_descale = (c.abs().amax(dim=(1, 3)).float() / 448 for c in (kc, vc))
+            kc, vc = quantize(kc, k_descale), quantize(vc, v_descale)
+            descales = dict(k_descale=k_descale, v_descale=v_descale)
+            ref = decode.reference(q, kc.float() * k_descale[:, None, :, None], vc.float() * v_descale[:, None, :, None])
+        else:
+            ref = decode.reference(q, kc, vc)
         table = None
         if block is not None:
             kc, vc, table = decode.paged_copy(kc, vc, block)
         seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
-        kv_bytes = 2 * b * n * decode.NHEADS_K * decode.HDIM * q.element_size()
+        kv_bytes = 2 * b * n * decode.NHEADS_K * decode.HDIM * kc.element_size()
         default = (launch._decode_tile(16, block or 0, decode.HDIM, q.element_size())[0],
                    saved["DECODE_NUM_WARPS"], saved["DECODE_MAX_STAGES"])
         for (bn, warps, stages), split in itertools.product(tiles, splits):
@@ -73,7 +84,7 @@ def run(args) -> list[dict]:
 
             def step(split=split):
                 return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                        num_splits=split)
+                                                        num_splits=split, **descales)
 
             ms, note, err = None, "", None
             if dev == "cuda":
@@ -92,7 +103,7 @@ def run(args) -> list[dict]:
         for const, value in saved.items():
             setattr(launch, const, value)
         launch.clear_plans()
-        del q, kc, vc, table, ref
+        del q, kc, vc, table, ref, descales
         common.free_cuda()
     return rows
 
@@ -119,6 +130,7 @@ def main() -> None:
         p.add_argument("--tiles", nargs="*", default=[], help="tiles as KEYSxWARPSxSTAGES (default: all)")
         p.add_argument("--l2", choices=("zero", "read"), default="zero",
                        help="how the L2 is cleared before each repetition (decode.py's option)")
+        p.add_argument("--fp8", action="store_true", help="caches in float8_e4m3fn with descales")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
     _, env = common.start_run(args.device)

@@ -317,6 +317,36 @@ def test_fp8_cache_decoding(device, paged, dtype):
         assert_within(f"lse[{b}]", lse[b:b + 1].cpu(), plain_lse, ref_lse)
 
 
+@pytest.mark.parametrize("q_size", [4e4, 1e-6])
+def test_fp8_cache_decoding_any_q_magnitude(device, q_size):
+    """Over an FP8 cache the kernel multiplies in fp16: q (bf16) is scaled by a power of two into
+    fp16's range first. Entries of 4e4 (past fp16's 65504 once multiplied out, and 6 bits of
+    exponent above fp16's usual scores) and of 1e-6 (fp16 subnormals unscaled) give the
+    dequantised cache's attention; softmax_scale keeps the scores O(1)."""
+    gen = torch.Generator().manual_seed(196)
+    batch, cap, nheads, nheads_k, d = 2, 40, 8, 2, 64
+    lens = torch.tensor([7, 40], dtype=torch.int32)
+    q = (torch.randn(batch, 1, nheads, d, generator=gen) * q_size).to(torch.bfloat16)
+    q[0, 0, 0, :3] = torch.tensor([2 * q_size, -3 * q_size, 0.0])  # the largest entries, and an exact zero
+    k_real, k_descale, k_stored = fp8_cache(batch, cap, nheads_k, d, gen)
+    v_real, v_descale, v_stored = fp8_cache(batch, cap, nheads_k, d, gen)
+    scale = d**-0.5 / q_size
+    out, lse = tileattn.flash_attn_with_kvcache(
+        q.to(device), k_stored.to(device), v_stored.to(device), cache_seqlens=lens.to(device), softmax_scale=scale,
+        return_softmax_lse=True, k_descale=k_descale.to(device), v_descale=v_descale.to(device))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for b in range(batch):
+        n = int(lens[b])
+        k_deq, v_deq = dequantised(k_stored[b:b + 1, :n], k_descale[b:b + 1]), dequantised(v_stored[b:b + 1, :n],
+                                                                                          v_descale[b:b + 1])
+        ref_o, ref_lse = R.attention_naive(q[b:b + 1].double().numpy(), k_deq.numpy(), v_deq.numpy(),
+                                           softmax_scale=scale)
+        plain_o, plain_lse = plain_attention(q[b:b + 1], k_deq.to(torch.bfloat16), v_deq.to(torch.bfloat16),
+                                             softmax_scale=scale)
+        assert_within(f"out[{b}]", out[b:b + 1].cpu(), plain_o, ref_o)
+        assert_within(f"lse[{b}]", lse[b:b + 1].cpu(), plain_lse, ref_lse)
+
+
 def test_fp8_mixed_batch_and_paged_helper(device):
     """PagedKVCache in FP8: packed prompts written (quantised) per sequence, then one mixed call."""
     gen = torch.Generator().manual_seed(195)

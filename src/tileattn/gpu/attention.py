@@ -336,7 +336,9 @@ class FwdPlan:
             l_strides = (0, stride_lb, stride_lh, stride_ls)
 
         dot_dtype = _DOT_DTYPES[q_dtype]
-        if interpreting() and q_dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
+        if descale is not None:  # an FP8 cache: fp16 operands (the kernel scales q into fp16's range)
+            dot_dtype = tl.float16
+        elif interpreting() and q_dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
             dot_dtype = tl.float32
         self.ints = (
             stride_qb, stride_qs, stride_qh,

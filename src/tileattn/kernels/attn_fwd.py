@@ -32,8 +32,9 @@ contiguous (batch, nheads_k) fp32, real = stored x descale: the tiles convert ex
 ``DOT_DTYPE``, k's descale joins the score scale and v's the output), ``HAS_SINK (a learnable sink logit per query head: without
 ``SPLIT_KV`` the recurrence starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key
 of value 0 every row sees; with it the combine merges the sink once). ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
-dtype, except bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as
-integers; the launcher then asks for fp32.
+dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16 under Triton
+3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the launcher then asks
+for fp32.
 """
 
 import triton
@@ -193,7 +194,18 @@ def _attn_fwd_kernel(
 
     q_rows = b64 * stride_qb + tok * stride_qs + head.to(tl.int64) * stride_qh  # [BLOCK_M]
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_PAD]
-    b_q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_PAD]
+    b_q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if IS_FP8:
+        # fp16 operands (DOT_DTYPE): float8_e4m3fn turns into fp16 with one instruction per two
+        # values (into bf16 through fp16 and fp32: three). q, bf16 or fp16, is scaled by a power of
+        # two that puts its largest entry in (2^13, 2^14]: inside fp16's range, every entry down to
+        # 2^-27 of the largest at fp16's full precision (bf16 keeps 8 bits, fp16 11); the factor
+        # joins the scores' scale, so the scores are unchanged up to rounding
+        q_abs = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
+        q_exp = tl.math.ceil(tl.math.log2(tl.maximum(q_abs, 1e-30))) - 14.0
+        b_q = b_q.to(tl.float32) * tl.math.exp2(-q_exp)
+        scale_log2 = scale_log2 * tl.math.exp2(q_exp)
+    b_q = b_q.to(DOT_DTYPE)
 
     if IS_PAGED:
         k_base = K + head_k.to(tl.int64) * stride_kh
