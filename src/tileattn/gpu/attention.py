@@ -43,6 +43,7 @@ __all__ = ["attn_fwd", "plan_fwd", "clear_plans", "FwdPlan"]
 
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
+MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
@@ -311,6 +312,12 @@ class FwdPlan:
         heads_grid = nheads_k if pack_gqa else nheads
         decode = max_rows <= DECODE_MAX_ROWS
         block_m = max(16, next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
+        if mixed:
+            # A mixed batch's short sequences (up to 64 rows) take the 16-row tile whatever their
+            # count: sized for 64 rows the decode tile needs 148 KB of shared memory and spills at
+            # 255 registers (one program per SM), at 16 rows 74 KB and 204 (three per SM; sm_90
+            # ptxas). Decoding rows fill it; a sequence of 5-16 queries (GQA 4) is read by 2-4 programs.
+            block_m = MIXED_BLOCK_M
         block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size)
         if num_splits == 0:
             programs = batch * heads_grid * cdiv(max_rows, block_m)
