@@ -147,7 +147,8 @@ def test_a_shape_class_is_planned_once(monkeypatch):
     A.attn_fwd(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, out, lse, params=params, seqused_k=lens,
                num_splits=3)
     A.attn_fwd(q, k, v, out, lse, params=params, seqused_k=lens, num_splits=2)
-    A.attn_fwd(q, k, v, out, lse, params=AttnParams(32**-0.5, window_right=0), seqused_k=lens, num_splits=3)
+    # (a left window: a right one is no flag for one query per sequence, which sees every key)
+    A.attn_fwd(q, k, v, out, lse, params=AttnParams(32**-0.5, window_left=8), seqused_k=lens, num_splits=3)
     A.attn_fwd(q, k, v, out, lse, params=params, num_splits=3)
     assert len(built) == 5 and len(set(built)) == 5
 
@@ -308,3 +309,33 @@ def test_gpu_direct_launches_equal_triton_launches_and_never_sync():
     launches = {id(x): x for plan in A._PLANS.values() for x in (plan.fwd, plan.combine) if x is not None}
     assert launches and all(x.fast_calls > 0 for x in launches.values())
     assert all(k.launch.fast_calls > 0 for plan in B._PLANS.values() for k in plan.kernels)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_query_per_sequence_drops_the_right_mask(packed):
+    """A causal (or right-windowed) call with one query per sequence sees every key (bottom-right
+    aligned): its plan has no right mask, and its output is the unmasked one, bit for bit; two
+    queries keep the mask."""
+    gen = torch.Generator().manual_seed(13)
+    for rows, masked in ((1, False), (2, True)):
+        A.clear_plans()
+        q = torch.randn(3, rows, 4, 16, generator=gen).to(DEV)
+        k, v = (torch.randn(3, 50, 2, 16, generator=gen).to(DEV) for _ in range(2))
+        outs = []
+        for params in (AttnParams(0.25, -1, 0), AttnParams(0.25, -1, -1), AttnParams(0.25, 20, 3)):
+            out, lse = torch.full_like(q, float("nan")), torch.full((3, 4, rows), float("nan"), device=DEV)
+            if packed:  # three sequences of `rows` queries over packed keys
+                cu_q = torch.arange(0, 3 * rows + 1, rows, dtype=torch.int32, device=DEV)
+                cu_k = torch.arange(0, 151, 50, dtype=torch.int32, device=DEV)
+                o, l = out.view(3 * rows, 4, 16), torch.full((4, 3 * rows), float("nan"), device=DEV)
+                A.attn_fwd(q.view(3 * rows, 4, 16), k.view(150, 2, 16), v.view(150, 2, 16), o, l, params=params,
+                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=rows, max_seqlen_k=50)
+            else:
+                A.attn_fwd(q, k, v, out, lse, params=params)
+            outs.append(out.clone())
+        flags = [plan.flags["MASK_RIGHT"] for plan in A._PLANS.values()]
+        assert flags == ([True, False, True] if masked else [False, False]), flags  # causal and (-1, -1) share a plan
+        if not masked:
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        else:
+            assert not torch.equal(outs[0], outs[1])

@@ -214,7 +214,13 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     call, so a growing cache does not make a new plan every step. A dense call's max_seqlen_q/k
     (the public functions pass its shapes) say nothing the shapes do not: they are left out;
     a packed or paged call's are rounded up to a power of two (``_bound``).
+
+    A right window bound (causal included) leaves a single query per sequence every key: bottom-
+    right aligned, it sits at the last key. Such calls (decoding, as engines make them: causal)
+    get the plan without the right mask, whose kernel has fewer live registers (sm_90: the
+    unsplit decode tile spilled 24 bytes with it).
     """
+    one_query = (q.shape[1] if cu_seqlens_q is None else max_seqlen_q) == 1 and params.diag_shift == 0
     if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
         max_seqlen_q = max_seqlen_k = 0
     else:  # upper bounds to the plan (grid, tile, splits): by power of two, so that a serving
@@ -237,7 +243,8 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if learnable_sink is None else learnable_sink.dtype,
             None if k_descale is None else k_descale.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
-            params.window_left >= 0, params.window_right >= 0, params.softcap > 0, params.dropout_p > 0)
+            params.window_left >= 0, params.window_right >= 0 and not one_query, params.softcap > 0,
+            params.dropout_p > 0)
 
 
 class FwdPlan:
