@@ -217,8 +217,8 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
 
     A right window bound (causal included) leaves a single query per sequence every key: bottom-
     right aligned, it sits at the last key. Such calls (decoding, as engines make them: causal)
-    get the plan without the right mask, whose kernel has fewer live registers (sm_90: the
-    unsplit decode tile spilled 24 bytes with it).
+    get the plan without the right mask: one kernel variant fewer, and no spill (sm_90: the
+    unsplit decode tile had 24 bytes of stack with the mask, none without).
     """
     one_query = (q.shape[1] if cu_seqlens_q is None else max_seqlen_q) == 1 and params.diag_shift == 0
     if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
@@ -323,7 +323,8 @@ class FwdPlan:
             # A mixed batch's short sequences (up to 64 rows) take the 16-row tile whatever their
             # count: sized for 64 rows the decode tile needs 148 KB of shared memory and spills at
             # 255 registers (one program per SM), at 16 rows 74 KB and 204 (three per SM; sm_90
-            # ptxas). Decoding rows fill it; a sequence of 5-16 queries (GQA 4) is read by 2-4 programs.
+            # ptxas). A decoding row (GQA 4: 4 rows) fits one tile; a sequence of 5-16 queries is
+            # read by 2-4 programs.
             block_m = MIXED_BLOCK_M
         block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size)
         if num_splits == 0:

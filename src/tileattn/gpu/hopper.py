@@ -142,7 +142,8 @@ def launch_gluon(kernel, grid: tuple[int, int, int], args: tuple, constexprs: di
     """Launch Gluon ``kernel`` (one consumer warpgroup per default partition, the register split
     of this module) through ``_launch.Launch``: after a shape class's first call, straight to
     the compiled kernel's launcher, without ``JITFunction.run`` binding and specialising ~30
-    arguments (on the H200's host, ~160 µs a call: more than a 512-token forward takes)."""
+    arguments (for a portable kernel ~36 µs a launch in benchmarks/host_launch.py's stand-in;
+    here per call: three descriptors, ``arg_classes`` and the lookup, ~25 µs on that machine)."""
     constexprs = dict(constexprs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     launch_for(kernel, constexprs, {"maxnreg": MAXNREG}, arg_classes(kernel, args))(grid, *args)
 
