@@ -32,7 +32,7 @@ dQ by a launch of its own, per query block, recomputing S and dP (7 matrix produ
 pair in all, against 5 when the dK/dV program also reduces its dQ share into a workspace, as
 FlashAttention 2/3 do): every gradient element is written once, by one program summing in a
 fixed order, so the gradients are bitwise reproducible, and on the H200 the two launches were
-faster than the one with bulk reductions in every case measured (docs/perf-notes.md).
+faster than the one with bulk reductions in 7 of 8 cases measured, level in the 8th (docs/perf-notes.md).
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
