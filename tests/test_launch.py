@@ -339,3 +339,30 @@ def test_one_query_per_sequence_drops_the_right_mask(packed):
             torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
         else:
             assert not torch.equal(outs[0], outs[1])
+
+
+def test_arg_classes_name_what_triton_specialises():
+    """``arg_classes`` (the Gluon launches' per-call signature) tells apart what makes Triton
+    compile another kernel: a tensor's dtype or absence, an integer equal to 1 or divisible by 16
+    (unless the kernel leaves it unspecialised), a descriptor's block shape and dtype; values
+    that specialise alike give one class."""
+    from types import SimpleNamespace
+
+    from tileattn.gpu._launch import arg_classes
+
+    fn = SimpleNamespace(arg_names=["X", "S", "n", "m", "d"], do_not_specialize=["m"])
+    t32, t16 = torch.empty(4), torch.empty(4, dtype=torch.float16)
+    desc = SimpleNamespace(block_shape=[1, 64, 1, 128], base=t16)
+
+    def cls(*args):
+        return arg_classes(fn, args)
+
+    base = cls(t32, None, 32, 5, desc)
+    assert cls(torch.empty(9), None, 48, 7, desc) == base  # same dtype, 48 % 16 == 0, m unspecialised
+    assert cls(t16, None, 32, 5, desc) != base
+    assert cls(t32, t32, 32, 5, desc) != base  # an optional tensor given
+    assert cls(t32, None, 1, 5, desc) != base and cls(t32, None, 33, 5, desc) != base
+    assert cls(t32, None, 32, 1, desc) == base  # m is not specialised: only its i32 range counts
+    assert cls(t32, None, 32, 2**40, desc) != base
+    wider = SimpleNamespace(block_shape=[1, 128, 1, 128], base=t16)
+    assert cls(t32, None, 32, 5, wider) != base
