@@ -6,7 +6,7 @@ hdim 64 and 128, causal and not, bf16. tileattn.flash_attn_func runs beside torc
 efficient) and FlexAttention (torch.compile; causal through a block mask), on the same
 tensors: SDPA and Flex take transposed (B, H, S, D) views of tileattn's (B, S, H, D) data.
 "tileattn" is the default dispatch (the Gluon kernels for Hopper where they apply, forward and
-backward: the printed path says which forward ran), "tileattn tl" the portable Triton kernels
+backward: the printed path says which forward and backward ran), "tileattn tl" the portable Triton kernels
 (``TILEATTN_HOPPER=0`` while its forward and its backward run).
 
 FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
@@ -138,7 +138,7 @@ def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
     row = {"table": "speed", **{k: case[k] for k in ("hdim", "causal", "seqlen", "batch", "nheads")}, "impl": name}
     q, k, v, dout = inputs(case, args.device, dtype)
     if name == "tileattn":
-        row["path"] = forward_path(q, k, v, case["causal"])
+        row["path"] = dispatch_path(q, k, v, case["causal"])
     fn, note = common.attempt(lambda: make_impl(name, case["causal"], case["seqlen"], args.device))
     fwd = fwdbwd = None
     if fn is not None:
@@ -160,17 +160,21 @@ def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
     return row
 
 
-def forward_path(q, k, v, causal: bool) -> str:
-    """Which forward kernel tileattn's dispatch picks for these tensors: 'hopper' or 'tl (why)'."""
+def dispatch_path(q, k, v, causal: bool) -> str:
+    """Which forward and backward kernels tileattn's dispatch picks for these tensors, as
+    'fwd hopper / bwd tl (why)': 'hopper' (Gluon) or 'tl (why not)' for each."""
     if not q.is_cuda:
         return "cpu"
-    from tileattn.gpu.hopper import hopper_fwd_reason
     from tileattn.contract import AttnParams
+    from tileattn.gpu.hopper import hopper_fwd_reason
+    from tileattn.gpu.hopper_bwd import hopper_bwd_reason
 
     params = AttnParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
-    why = hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+    fwd = hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
                             num_splits=0)
-    return "hopper" if why is None else f"tl ({why})"
+    bwd = hopper_bwd_reason(q, q, k, v, q, k, v, params)
+    return " / ".join(f"{part} {'hopper' if why is None else f'tl ({why})'}" for part, why in (("fwd", fwd),
+                                                                                              ("bwd", bwd)))
 
 
 def memory_case(case: dict, name: str, args, dtype) -> dict:
