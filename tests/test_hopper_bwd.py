@@ -23,17 +23,7 @@ from tileattn.gpu.hopper_bwd import hopper_bwd_reason
 
 from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def gluon_at_every_length(monkeypatch):
-    """Short causal calls at head dim 64 go to the portable kernels by default
-    (``SHORT_CAUSAL_HD64``); here the Gluon kernels take them too, so their masks stay tested at
-    the lengths that cut tiles oddly."""
-    from tileattn.gpu import hopper
-
-    monkeypatch.setattr(hopper, "SHORT_CAUSAL_HD64", {"fwd": 0, "bwd": 0})
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
 
 
 def _np(*tensors):

@@ -19,17 +19,7 @@ from tileattn.contract import AttnParams
 
 from tolerance import assert_within, plain_attention
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def gluon_at_every_length(monkeypatch):
-    """Short causal calls at head dim 64 go to the portable kernels by default
-    (``SHORT_CAUSAL_HD64``); here the Gluon kernels take them too, so their masks stay tested at
-    the lengths that cut tiles oddly."""
-    from tileattn.gpu import hopper
-
-    monkeypatch.setattr(hopper, "SHORT_CAUSAL_HD64", {"fwd": 0, "bwd": 0})
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),

@@ -68,7 +68,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def device_reason(q) -> str | None:
-    """Why the Gluon kernels cannot run on ``q``'s device (one short phrase), or None: they can."""
+    """Why the Gluon kernels cannot run on ``q``'s device, or are turned off there (one short
+    phrase), or None: they can. The forward's and the backward's rules both ask it."""
+    if not hopper_enabled():
+        return "TILEATTN_HOPPER=0"
     if q.device.type != "cuda" or interpreting():
         return "not a CUDA device"
     if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
@@ -112,8 +115,6 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return "decoding shape"
     if short_causal(params, q.shape[-1], rows, "fwd"):
         return "short causal at head dim 64"
-    if not hopper_enabled():
-        return "TILEATTN_HOPPER=0"
     why = device_reason(q)
     if why is not None:
         return why

@@ -48,6 +48,13 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
     return out.index_copy(0, indices.to(device=values.device, dtype=torch.long), values)
 
 
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (n + 1,) int32 of the sequence lengths (n,): 0, then their running sums."""
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    return cu_seqlens
+
+
 def _mask_lengths(name: str, mask, hidden_states) -> torch.Tensor:
     """The mask as bool (batch, seqlen), checked: shape of hidden_states' first two dims, 0/1 values."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -85,8 +92,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
             V.fail(ValueError, "unused_mask and attention_mask overlap: a token is either used or unused")
         kept = used_mask | unused
     lengths = kept.sum(dim=1, dtype=torch.int32)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    cu_seqlens = _offsets(lengths)
     indices = kept.flatten().nonzero().flatten()
     max_seqlen = int(lengths.max()) if lengths.numel() else 0
     packed = index_first_axis(hidden_states.flatten(0, 1), indices)
@@ -126,7 +132,6 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
     # tokens in use: in row b, the first sum(lengths of b) positions
     kept = torch.arange(seqlen, device=lengths_2d.device)[None, :] < lengths_2d.sum(dim=1, keepdim=True)
     indices = kept.flatten().nonzero().flatten()
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths_2d.device)
-    torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    cu_seqlens = _offsets(lengths)
     max_seqlen = int(lengths.max()) if lengths.numel() else 0
     return index_first_axis(hidden_states.flatten(0, 1), indices), indices, cu_seqlens, max_seqlen
