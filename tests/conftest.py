@@ -41,13 +41,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def gluon_at_every_length(monkeypatch):
-    """Short causal calls at head dim 64 go to the portable kernels by default
-    (``gpu.hopper.SHORT_CAUSAL_HD64``); the Gluon kernels' own tests (test_hopper_fwd,
-    test_hopper_bwd) send them to the Gluon kernels too, so their masks stay tested at the
-    lengths that cut tiles oddly."""
+    """Some short calls go to the portable kernels by default (``gpu.hopper.SHORT_PORTABLE``);
+    the Gluon kernels' own tests (test_hopper_fwd, test_hopper_bwd) send them to the Gluon
+    kernels too, so their masks stay tested at the lengths that cut tiles oddly."""
     from tileattn.gpu import hopper
 
-    monkeypatch.setattr(hopper, "SHORT_CAUSAL_HD64", {"fwd": 0, "bwd": 0})
+    monkeypatch.setattr(hopper, "SHORT_PORTABLE", {})
 
 
 @pytest.fixture(params=["cpu", "triton"])

@@ -378,11 +378,14 @@ def record_hopper(launcher, module, name, *args, **kwargs):
 
 
 def check_cases():
-    """The KV cache's device check: lengths alone, with left pads, with a block table."""
+    """The KV cache's device check: lengths alone, with left pads, with a block table (one
+    program, and a grid of them for a large batch)."""
     lens = torch.tensor([3, 40, 7], dtype=torch.int32)
     table = torch.zeros(3, 100, dtype=torch.int32)
+    lens64, table64 = torch.full((64,), 900, dtype=torch.int32), torch.zeros(64, 1088, dtype=torch.int32)
     return [("cache check", (lens, 64), {}), ("cache check leftpad", (lens, 64), dict(leftpad=lens.clone())),
-            ("cache check paged", (lens, 64), dict(block_table=table, new_tokens=1, block_size=16, num_blocks=9))]
+            ("cache check paged", (lens, 64), dict(block_table=table, new_tokens=1, block_size=16, num_blocks=9)),
+            ("cache check paged grid", (lens64, 17408), dict(block_table=table64, block_size=16, num_blocks=9))]
 
 
 def main() -> int:

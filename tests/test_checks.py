@@ -75,14 +75,16 @@ def test_cache_check_matches_the_rule(tiles, case):
     assert bool(ok.cpu()) == _expected(lens, top, pads, table, new_tokens, block_size, num_blocks)
 
 
-def test_cache_check_reads_only_pages_in_use():
-    """A decoding batch (64 sequences, 256 pages each): an entry past a sequence's last page may
-    hold anything; one in use may not."""
+@pytest.mark.parametrize("row", [3, 60])
+def test_cache_check_reads_only_pages_in_use(row):
+    """A decoding batch (64 sequences, 256 pages each: a grid of programs over the rows, the bad
+    entry in the first or the last one): an entry past a sequence's last page may hold anything;
+    one in use may not."""
     lens = torch.full((64,), 1000, dtype=torch.int32, device=DEV)
     table = torch.arange(64 * 256, dtype=torch.int32, device=DEV).view(64, 256) % 300
     ok = checks.cache_values_ok(lens, 4096, block_table=table, block_size=16, num_blocks=300)
     assert ok.shape == (1,) and bool(ok.cpu())
-    table[3, 62] = 300  # page 62 holds keys 992..1007 of sequence 3: in use
+    table[row, 62] = 300  # page 62 holds keys 992..1007 of the sequence: in use
     assert not bool(checks.cache_values_ok(lens, 4096, block_table=table, block_size=16, num_blocks=300).cpu())
-    table[3, 62], table[3, 63] = 0, -5  # page 63 starts at key 1008: past the sequence, never read
+    table[row, 62], table[row, 63] = 0, -5  # page 63 starts at key 1008: past the sequence, never read
     assert bool(checks.cache_values_ok(lens, 4096, block_table=table, block_size=16, num_blocks=300).cpu())

@@ -112,25 +112,25 @@ def test_launches(monkeypatch, window, varlen):
         assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
 
 
-@pytest.mark.parametrize("rows, fwd, bwd", [(512, True, True), (513, True, False), (1024, True, False),
-                                            (1025, False, False)])
-def test_short_causal_hd64_goes_to_the_portable_kernels(rows, fwd, bwd):
-    """SHORT_CAUSAL_HD64: causal at head dim 64 up to 1024 rows (forward) / 512 (backward) is told
-    no before the device is looked at; head dim 128, no mask or a window are not; packed calls
-    count the longest sequence (max_seqlen_q)."""
+@pytest.mark.parametrize("rows", [512, 513, 1024, 1025])
+def test_short_calls_go_to_the_portable_kernels(rows):
+    """SHORT_PORTABLE: causal at head dim 64 up to 1024 rows (forward) / 512 (backward), causal at
+    head dim 128 up to 512 (backward), unmasked at head dim 128 up to 512 (forward) are told no
+    before the device is looked at; windows are not; packed calls count the longest sequence
+    (max_seqlen_q)."""
     from tileattn.gpu.hopper import hopper_fwd_reason
-
-    short = "short causal at head dim 64"
 
     def reasons(q, params, **packed):
         f = hopper_fwd_reason(q, q, q, params, alibi_slopes=None, varlen=bool(packed), paged=False, seqused_k=None,
                               num_splits=0, **packed)
         b = hopper_bwd.hopper_bwd_reason(q, q, q, q, q, q, q, params, varlen=bool(packed), **packed)
-        return f == short, b == short
+        return tuple(r is not None and r.startswith("short") for r in (f, b))
 
-    causal = AttnParams(0.125, -1, 0)
-    assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), causal) == (fwd, bwd)
-    assert reasons(torch.empty(3 * rows, 2, 64, dtype=torch.bfloat16), causal, max_seqlen_q=rows) == (fwd, bwd)
-    assert reasons(torch.empty(1, rows, 2, 128, dtype=torch.bfloat16), causal) == (False, False)
-    for other in (AttnParams(0.125, -1, -1), AttnParams(0.125, 64, 0)):
-        assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), other) == (False, False)
+    causal, unmasked = AttnParams(0.125, -1, 0), AttnParams(0.125, -1, -1)
+    for head_dim, params, (fwd_rows, bwd_rows) in ((64, causal, (1024, 512)), (128, causal, (0, 512)),
+                                                  (128, unmasked, (512, 0)), (64, unmasked, (0, 0))):
+        expect = (rows <= fwd_rows, rows <= bwd_rows)
+        assert reasons(torch.empty(1, rows, 2, head_dim, dtype=torch.bfloat16), params) == expect
+        assert reasons(torch.empty(3 * rows, 2, head_dim, dtype=torch.bfloat16), params, max_seqlen_q=rows) == expect
+    for window in (AttnParams(0.125, 64, 0), AttnParams(0.125, -1, 8)):
+        assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), window) == (False, False)

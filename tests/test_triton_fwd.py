@@ -224,9 +224,9 @@ def test_decode_tile_fits_and_keeps_a_pipeline(block_m, page_size):
     """Every decode tile the launcher can pick fits in shared memory with two or more stages;
     pages of 64 keys or more hold whole tiles (one table lookup per tile)."""
     for head_dim_pad in (16, 32, 64, 128, 256):
-        for elem in (2, 4):
-            block_n, stages = launch._decode_tile(block_m, page_size, head_dim_pad, elem)
-            assert launch._smem_bytes(block_m, block_n, stages, head_dim_pad, elem) <= launch.SMEM_BUDGET
+        for elem, kv_elem in ((2, None), (4, None), (2, 1)):  # (2, 1): bf16 q over an FP8 cache
+            block_n, stages = launch._decode_tile(block_m, page_size, head_dim_pad, elem, kv_elem)
+            assert launch._smem_bytes(block_m, block_n, stages, head_dim_pad, elem, kv_elem) <= launch.SMEM_BUDGET
             assert stages >= 2 and 16 <= block_n <= launch.DECODE_BLOCK_N
             if page_size >= launch.DECODE_BLOCK_N_WHOLE_PAGES:
                 assert page_size % block_n == 0

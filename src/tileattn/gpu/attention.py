@@ -66,9 +66,10 @@ def _prefill_configs():
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size):
-    """Shared memory of one program, roughly: the Q tile plus ``stages`` K and V tiles."""
-    return (block_m + 2 * stages * block_n) * head_dim_pad * elem_size
+def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, kv_elem_size=None):
+    """Shared memory of one program, roughly: the Q tile plus ``stages`` K and V tiles (of
+    ``kv_elem_size`` bytes an element, an FP8 cache's 1, when it differs from q's)."""
+    return (block_m * elem_size + 2 * stages * block_n * (kv_elem_size or elem_size)) * head_dim_pad
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -125,7 +126,8 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     return max(1, min(waves * resident // programs, key_blocks, MAX_SPLITS))
 
 
-def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int) -> tuple[int, int]:
+def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int,
+                 kv_elem_size: int | None = None) -> tuple[int, int]:
     """(keys per tile, pipeline stages) of the decode launch; ``page_size`` 0 for a contiguous cache.
 
     ``DECODE_BLOCK_N`` keys (``DECODE_BLOCK_N_WHOLE_PAGES`` when pages hold whole tiles) with
@@ -135,7 +137,7 @@ def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int
     whole_pages = page_size > 0 and page_size % DECODE_BLOCK_N_WHOLE_PAGES == 0
     block_n = DECODE_BLOCK_N_WHOLE_PAGES if whole_pages else DECODE_BLOCK_N
     stages = DECODE_MAX_STAGES
-    while _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size) > SMEM_BUDGET:
+    while _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, kv_elem_size) > SMEM_BUDGET:
         if stages > 2:
             stages -= 1
         elif block_n > 16:
@@ -326,10 +328,11 @@ class FwdPlan:
             # ptxas). A decoding row (GQA 4: 4 rows) fits one tile; a sequence of 5-16 queries is
             # read by 2-4 programs.
             block_m = MIXED_BLOCK_M
-        block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size)
+        kv_elem_size = k_dtype.itemsize
+        block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size, kv_elem_size)
         if num_splits == 0:
             programs = batch * heads_grid * cdiv(max_rows, block_m)
-            smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size)
+            smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size, kv_elem_size)
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
         split_kv = num_splits > 1
         self.num_splits = num_splits

@@ -3,8 +3,8 @@
 ``cache_values_ok`` returns a one-element boolean tensor on the cache's device without reading
 anything on the host; ``tileattn.ops._validate`` asserts it asynchronously. One launch replaces
 the ~4 (contiguous) to ~10 (paged) elementwise and reduction kernels the same check costs
-written with torch operations: a decoding step is bound by launches, not by this kernel's few
-reads.
+written with torch operations. A small batch is one program; a large paged one, a grid of
+programs over its rows, the flag set to true first (``kernels/checks.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = ["cache_values_ok"]
 
 _MAX_TILE = 4096  # block-table entries the program looks at per step
 _MAX_ROWS = 1024  # sequences per step without a block table
+_GRID_STEPS = 2  # a paged table needing more steps than this gets a program per step
 _LAUNCHES: dict[tuple, Launch] = {}  # (kernel, device, dtypes, tiles) -> Launch; no integer is specialised
 
 
@@ -37,17 +38,24 @@ def cache_values_ok(seqlens: torch.Tensor, top: int, *, leftpad=None, block_tabl
     else:
         pages, strides, block_table = 0, (0, 0), None
         block_p, block_b = 1, min(next_power_of_2(batch), _MAX_ROWS)
-    ints = (batch, pages, seqlens.stride(0), 0 if leftpad is None else leftpad.stride(0), *strides, top, new_tokens,
-            block_size, num_blocks)
+    # one program steps through every row unless a paged table needs more than GRID_STEPS steps;
+    # then one program per step of rows (kernels/checks.py)
+    programs = -(-batch // block_b) if paged and -(-batch // block_b) > _GRID_STEPS else 1
+    ints = (batch, block_b if programs > 1 else batch, pages, seqlens.stride(0),
+            0 if leftpad is None else leftpad.stride(0), *strides, top, new_tokens, block_size, num_blocks)
     # the kernel specialises none of its integers (do_not_specialize), and Launch checks their
     # i32 range per call: the dtypes and constexprs alone pick the compiled kernel
     key = (_cache_check_kernel, seqlens.device, seqlens.dtype, leftpad is not None and leftpad.dtype,
-           paged and block_table.dtype, block_b, block_p)
+           paged and block_table.dtype, block_b, block_p, programs == 1)
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _LAUNCHES[key] = Launch(_cache_check_kernel, dict(HAS_LEFTPAD=leftpad is not None, PAGED=paged,
-                                                                   BLOCK_B=block_b, BLOCK_P=block_p),
+                                                                   BLOCK_B=block_b, BLOCK_P=block_p,
+                                                                   ONE_PROGRAM=programs == 1),
                                          dict(num_warps=4))
-    ok = torch.empty(1, dtype=torch.bool, device=seqlens.device)
-    launch((1, 1, 1), seqlens, leftpad, block_table, ok, *ints)
+    if programs == 1:
+        ok = torch.empty(1, dtype=torch.bool, device=seqlens.device)
+    else:  # the programs only clear it
+        ok = torch.ones(1, dtype=torch.bool, device=seqlens.device)
+    launch((programs, 1, 1), seqlens, leftpad, block_table, ok, *ints)
     return ok

@@ -32,10 +32,14 @@ HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
-# Causal calls at head dim 64 with at most this many query rows (per sequence) go to the portable
-# kernels: on the H200 (16k tokens a batch) they measured forward 204 vs 138 TFLOP/s at 512 rows and
-# 271 vs 220 at 1024, backward 163 vs 128 at 512; from 2k on the Gluon kernels are level or ahead.
-SHORT_CAUSAL_HD64 = {"fwd": 1024, "bwd": 512}
+# Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
+# query rows (per sequence) sent there; causal means no window beyond causality, not causal no
+# mask at all. Measured on the H200 at 16k tokens a batch, portable vs Gluon TFLOP/s
+# (docs/perf-notes.md): head dim 64 causal, forward 204 vs 138 at 512 rows and 271 vs 220 at
+# 1024, backward 163 vs 128 at 512; head dim 128 causal backward 164 vs 118 at 512 (1024: 234 vs
+# 298, Gluon), head dim 128 forward without a mask 318 vs 253 at 512. From 2k on the Gluon
+# kernels are level or ahead everywhere.
+SHORT_PORTABLE = {(64, True, "fwd"): 1024, (64, True, "bwd"): 512, (128, True, "bwd"): 512, (128, False, "fwd"): 512}
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -92,11 +96,15 @@ def options_reason(params: AttnParams, alibi_slopes) -> str | None:
     return None
 
 
-def short_causal(params: AttnParams, head_dim: int, rows: int, kind: str) -> bool:
-    """A causal call at head dim 64 short enough that the portable kernels beat the Gluon ones
-    (``SHORT_CAUSAL_HD64``; ``kind`` "fwd" or "bwd", ``rows`` the longest sequence's queries)."""
-    return (head_dim == 64 and params.window_left < 0 and params.window_right == 0
-            and rows <= SHORT_CAUSAL_HD64[kind])
+def short_call(params: AttnParams, head_dim: int, rows: int, kind: str) -> str | None:
+    """Why the portable kernels take this call (``SHORT_PORTABLE``), or None: ``kind`` "fwd" or
+    "bwd", ``rows`` the longest sequence's queries."""
+    if params.window_left >= 0 or params.window_right > 0:
+        return None
+    causal = params.window_right == 0
+    if rows <= SHORT_PORTABLE.get((head_dim, causal, kind), 0):
+        return f"short {'causal' if causal else 'unmasked'} call at head dim {head_dim}"
+    return None
 
 
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
@@ -113,8 +121,9 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
     rows = max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim]
     if rows < MIN_SEQLEN_Q:
         return "decoding shape"
-    if short_causal(params, q.shape[-1], rows, "fwd"):
-        return "short causal at head dim 64"
+    short = short_call(params, q.shape[-1], rows, "fwd")
+    if short is not None:
+        return short
     why = device_reason(q)
     if why is not None:
         return why

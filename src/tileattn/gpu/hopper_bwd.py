@@ -34,7 +34,7 @@ import torch
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
 from ._launch import cdiv
-from .hopper import _descriptor, _tma_ok, device_reason, launch_gluon, options_reason, short_causal
+from .hopper import _descriptor, _tma_ok, device_reason, launch_gluon, options_reason, short_call
 
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
@@ -51,8 +51,9 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     share; ``deterministic`` needs nothing (no atomics, one tile configuration). The shape
     rule comes first, as the forward's."""
     seq_dim = 0 if varlen else 1
-    if short_causal(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim], "bwd"):
-        return "short causal at head dim 64"
+    short = short_call(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim], "bwd")
+    if short is not None:
+        return short
     why = device_reason(q)
     if why is not None:
         return why
