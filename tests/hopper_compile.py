@@ -328,6 +328,13 @@ def hopper_bwd_cases():
                 name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
                 grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
                 cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()), kwargs))
+    # fp32 gradients (the ring's accumulators), stored from the accumulator's layout
+    for d in sorted({d for _, d in hopper_bwd_launcher.HOPPER_BWD_TILES}):
+        q, k, v, dout = (torch.randn(2, 300, 8, d, generator=g).to(torch.bfloat16) for _ in range(4))
+        ws = torch.empty(2, 8, 300)
+        grads = (torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape))
+        cases.append((f"hopper bwd torch.bfloat16 d{d} window (-1, 0) fp32 grads",
+                      (dout, q, k, v, *grads, ws, ws.clone()), dict(params=AttnParams(d**-0.5, -1, 0))))
     # one query row, one head: lengths and strides equal to 1 become constants in a real launch
     q, dout = (torch.randn(1, 1, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 200, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))

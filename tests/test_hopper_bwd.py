@@ -39,9 +39,10 @@ def _plain_grads(q, k, v, dout, **opts):
     return [t.grad for t in leaves]
 
 
-def _backward(dout, q, k, v, out, lse, params, **kwargs):
-    """attn_bwd into NaN-poisoned gradients, after checking that the Hopper kernels take the call."""
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+def _backward(dout, q, k, v, out, lse, params, grad_dtype=None, **kwargs):
+    """attn_bwd into NaN-poisoned gradients (in ``grad_dtype``, default the inputs'), after
+    checking that the Hopper kernels take the call."""
+    dq, dk, dv = (torch.full_like(t, float("nan"), dtype=grad_dtype) for t in (q, k, v))
     why = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, varlen="cu_seqlens_q" in kwargs)
     assert why is None, f"the dispatch does not pick the Hopper backward: {why}"
     attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, params=params, **kwargs)
@@ -50,7 +51,7 @@ def _backward(dout, q, k, v, out, lse, params, **kwargs):
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
-         layout="bshd", sink=False):
+         layout="bshd", sink=False, grad_dtype=None):
     gen = torch.Generator().manual_seed(seed)
 
     def t(s, h):
@@ -70,7 +71,7 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
     kwargs = {}
     if sink:
         kwargs.update(learnable_sink=learnable_sink.cuda(), dsink=torch.full((nheads,), float("nan"), device="cuda"))
-    fast = _backward(dout, q, k, v, out, lse, params, **kwargs)
+    fast = _backward(dout, q, k, v, out, lse, params, grad_dtype, **kwargs)
     ref = reference.attention_naive_grad(*_np(q, k, v, dout), learnable_sink=np_sink, **opts)
     plain = _plain_grads(*(x.cpu() for x in (q, k, v, dout)), learnable_sink=learnable_sink, **opts)
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
@@ -118,6 +119,15 @@ def test_hopper_sinks_and_views():
     """Learnable sinks (only the preprocess knows them: dsink) with inputs laid out as (B, H, S, D)
     and viewed as (B, S, H, D): the TMA descriptors take strides."""
     _run(5, 2, 400, 400, 4, 2, 128, torch.bfloat16, causal=True, layout="bhsd", sink=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_fp32_gradients(head_dim):
+    """fp32 gradient outputs (the ring's accumulators) are taken and stored unrounded: within the
+    budget, and not all representable in the inputs' dtype."""
+    fast = _run(head_dim + 1, 2, 300, 350, 4, 2, head_dim, torch.bfloat16, causal=True, grad_dtype=torch.float32)
+    for g in fast:
+        assert g.dtype == torch.float32 and (g != g.to(torch.bfloat16).float()).any()
 
 
 def test_hopper_deterministic():

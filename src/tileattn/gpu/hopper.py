@@ -34,12 +34,14 @@ MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
 # Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
 # query rows (per sequence) sent there; causal means no window beyond causality, not causal no
-# mask at all. Measured on the H200 at 16k tokens a batch, portable vs Gluon TFLOP/s
-# (docs/perf-notes.md): head dim 64 causal, forward 204 vs 138 at 512 rows and 271 vs 220 at
-# 1024, backward 163 vs 128 at 512; head dim 128 causal backward 164 vs 118 at 512 (1024: 234 vs
-# 298, Gluon), head dim 128 forward without a mask 318 vs 253 at 512. From 2k on the Gluon
-# kernels are level or ahead everywhere.
-SHORT_PORTABLE = {(64, True, "fwd"): 1024, (64, True, "bwd"): 512, (128, True, "bwd"): 512, (128, False, "fwd"): 512}
+# mask at all. Measured on the H200 at 16k tokens a batch, portable vs Gluon TFLOP/s, medians of
+# 3 interleaved rounds (docs/perf-notes.md, 2026-11-30 17:05): head dim 64 causal, forward 205 vs
+# 138 at 512 rows and 262 vs 218 at 1024, backward 164 vs 135 at 512 (1024: 219 vs 267, Gluon);
+# head dim 128 causal, forward 211 vs 201 and backward 164 vs 155 at 512; head dim 128 without a
+# mask, backward 259 vs 236 at 512 (forward: 317 vs 396, Gluon). From 1k (head dim 128) and 2k
+# (64) on the Gluon kernels are ahead everywhere.
+SHORT_PORTABLE = {(64, True, "fwd"): 1024, (64, True, "bwd"): 512, (128, True, "fwd"): 512, (128, True, "bwd"): 512,
+                  (128, False, "bwd"): 512}
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 

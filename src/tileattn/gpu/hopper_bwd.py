@@ -57,7 +57,9 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     why = device_reason(q)
     if why is not None:
         return why
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout, dq, dk, dv)):
+    # the gradients may also be fp32 (the ring's accumulators): stored unrounded
+    if (q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout))
+            or any(t.dtype not in (q.dtype, torch.float32) for t in (dq, dk, dv))):
         return "dtypes " + " / ".join(str(t.dtype) for t in (q, k, v, dout, dq, dk, dv))
     if ("dq", q.shape[-1]) not in HOPPER_BWD_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]} / {v.shape[-1]}"

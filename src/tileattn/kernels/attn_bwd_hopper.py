@@ -115,20 +115,29 @@ def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, ba
 @gluon.jit
 def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, stride_h):
     """Write the fp32 ``acc`` [ROWS, HEAD_DIM] to rows row0.. of (batch b, head h), the first
-    ``rows_left`` of them, in the output's dtype (the inputs'). It goes through ``smem`` (a rows
-    tile only this warpgroup reads, free after its last wgmma), so each thread then writes
-    16-byte vectors with a few addresses live instead of one per element."""
+    ``rows_left`` of them, in the output's dtype. An output in the inputs' dtype goes through
+    ``smem`` (a rows tile only this warpgroup reads, free after its last wgmma), so each thread
+    then writes 16-byte vectors with a few addresses live instead of one per element. An fp32
+    output (the ring's gradient accumulators) is stored from the accumulator's own layout, never
+    rounded to the inputs' dtype."""
     ROWS: gl.constexpr = acc.type.shape[0]
     HEAD_DIM: gl.constexpr = acc.type.shape[1]
-    smem.store(acc.to(smem.dtype))
-    VEC: gl.constexpr = 8  # 16 bytes
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // HEAD_DIM, HEAD_DIM // VEC], [4, 1], [1, 0])
-    tile = smem.load(layout)  # [ROWS, HEAD_DIM]
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [ROWS]
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [HEAD_DIM]
     base = ptr + b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h + row0.to(gl.int64) * stride_s
-    ptrs = base + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]  # [ROWS, HEAD_DIM]
-    gl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None])
+    if ptr.dtype.element_ty == gl.float32:
+        acc_layout: gl.constexpr = acc.type.layout
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))  # [ROWS]
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))  # [HEAD_DIM]
+        ptrs = base + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]  # [ROWS, HEAD_DIM]
+        gl.store(ptrs, acc, mask=(rows < rows_left)[:, None])
+    else:
+        smem.store(acc.to(smem.dtype))
+        VEC: gl.constexpr = 8  # 16 bytes
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // HEAD_DIM, HEAD_DIM // VEC], [4, 1], [1, 0])
+        tile = smem.load(layout)  # [ROWS, HEAD_DIM]
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))  # [ROWS]
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))  # [HEAD_DIM]
+        ptrs = base + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]  # [ROWS, HEAD_DIM]
+        gl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None])
 
 
 @gluon.jit
