@@ -678,6 +678,30 @@ def test_bad_input_raises_before_any_communication():
         llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32), True, 0, 2)
 
 
+def test_llama3_dropout_needs_the_global_offsets():
+    """With dropout, llama3 needs the global cu_seqlens (the document indices its mask hashes) and
+    checks that they hold each local sequence; each sequence's document and position come from them."""
+    from tileattn.contract import AttnParams
+    from tileattn.distributed.llama3 import _documents, _global_offsets
+
+    cu = torch.tensor([0, 5, 5, 22, 23, 32], dtype=torch.int32)  # documents 5, 0, 17, 1, 9 on 2 ranks
+    with pytest.raises(ValueError, match="dropout_p > 0 needs cu_seqlens"):
+        _global_offsets(None, 32, cu.device, 0.1)
+    assert _global_offsets(None, 32, cu.device, 0.0) is None
+    assert _global_offsets(cu, 32, cu.device, 0.0) is None  # checked, not needed
+    with pytest.raises(ValueError, match="end at the 30"):
+        _global_offsets(cu, 30, cu.device, 0.1)
+    with pytest.raises(TypeError, match="int32"):
+        _global_offsets(cu.long(), 32, cu.device, 0.1)
+    bounds = _global_offsets(cu, 32, cu.device, 0.1)
+    params = AttnParams(softmax_scale=1.0, window_right=0, dropout_p=0.1)
+    cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, 1, 2)
+    docs = _documents(16, 1, cu_q, cu_k, k_slice, params, False, bounds)
+    assert [(b, doc, pos) for b, _, _, doc, pos in docs] == [(0, 2, 11), (1, 3, 0), (2, 4, 0)]
+    with pytest.raises(ValueError, match="not within one document"):
+        _documents(16, 1, cu_q, cu_k, k_slice, params, False, [0, 20, 32])
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_transfers_carry_only_what_is_read(world):
     """Causal contiguous shards: no transfer to a rank before the owner; causal zigzag: the first
