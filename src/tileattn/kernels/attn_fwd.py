@@ -117,8 +117,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 
 
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
-                               "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride", "drop_r0", "drop_c0",
-                               "dropout_seed", "dropout_threshold"])
+                               "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
+                               "drop_r0", "drop_c0", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
