@@ -48,6 +48,7 @@ from tileattn.distributed import (
     zigzag_unshard,
     zigzag_unshard_varlen,
 )
+from tileattn import flash_attn_varlen_func
 from tileattn.distributed.ring import DensePlan
 from tileattn.ops.attention import draw_dropout_seed
 from tileattn.reference import attention_naive, attention_naive_grad
@@ -123,6 +124,31 @@ CASES = {
                                        heads=(2, 2), hdim=16, backend="triton"),
     "zigzag-window-alibi-triton": dict(kind="zigzag", causal=False, window=(3, 2), alibi=True, dtype="float32",
                                        batch=1, seqlen=12, heads=(2, 1), hdim=16, backend="triton"),
+    # packed documents: each call hashes its document's index in the global cu_seqlens (zero-length ones
+    # counted), its chunk of heads and its positions inside the document, as flash_attn_varlen_func does
+    "zigzag-varlen-causal-dropout-gqa": dict(kind="zigzag-varlen", causal=True, dropout=0.3, dtype="float32",
+                                             units=(3, 0, 1, 2), heads=(4, 2), hdim=16),
+    "zigzag-varlen-full-dropout-bf16": dict(kind="zigzag-varlen", causal=False, dropout=0.2, dtype="bfloat16",
+                                            units=(2, 0, 3), heads=(2, 1), hdim=16),
+    "zigzag-varlen-window-dropout-sink-dlse": dict(kind="zigzag-varlen", causal=False, window=(4, 2), dropout=0.25,
+                                                   dtype="float32", units=(0, 2, 3), heads=(4, 1), hdim=16,
+                                                   sink=True, dlse=True),
+    "contiguous-varlen-causal-dropout-qkvpacked": dict(kind="contiguous-varlen", causal=True, dropout=0.3,
+                                                       dtype="float32", units=(3, 0, 1, 5), heads=(2, 2), hdim=16,
+                                                       form="qkvpacked"),
+    "contiguous-varlen-window-dropout-alibi": dict(kind="contiguous-varlen", causal=True, window=(4, -1),
+                                                   dropout=0.2, alibi=True, dtype="float32", units=(2, 0, 5),
+                                                   heads=(4, 2), hdim=16),
+    "llama3-causal-dropout-stride1": dict(kind="llama3", causal=True, dropout=0.3, dtype="float32",
+                                          docs=(5, 0, 17, 1, 9), heads=(4, 2), hdim=16, stride=1),
+    "llama3-full-dropout-stride2-bf16": dict(kind="llama3", causal=False, dropout=0.2, dtype="bfloat16",
+                                             docs=(7, 13, 0, 6), heads=(8, 4), hdim=16, stride=2),
+    # window (0, 3): a document begun on an earlier rank whose keys are all here is a home call at a position > 0
+    "llama3-window-dropout-sink-dlse-kvpacked": dict(kind="llama3", causal=False, window=(0, 3), dropout=0.25,
+                                                     dtype="float32", docs=(5, 0, 17, 1, 9), heads=(4, 2), hdim=16,
+                                                     stride=1, sink=True, dlse=True, form="kvpacked"),
+    "llama3-causal-dropout-alibi": dict(kind="llama3", causal=True, window=(7, -1), dropout=0.3, alibi=True,
+                                        dtype="float32", docs=(9, 0, 15, 3), heads=(2, 2), hdim=16, stride=1),
     # learnable sinks (once per row, their gradient summed over the ranks) and a gradient reaching the LSE
     "zigzag-causal-sink-dlse-gqa": dict(kind="zigzag", causal=True, dtype="float32", batch=2, seqlen=10, heads=(4, 2),
                                         hdim=16, sink=True, dlse=True),
@@ -152,6 +178,10 @@ CASES = {
                                  heads=(2, 1), hdim=16, stride=1, backend="triton"),
     "llama3-causal-sink-dlse-triton": dict(kind="llama3", causal=True, dtype="float32", docs=(7, 9), heads=(2, 1),
                                            hdim=16, stride=1, sink=True, dlse=True, backend="triton"),
+    "zigzag-varlen-dropout-triton": dict(kind="zigzag-varlen", causal=True, dropout=0.3, dtype="float32",
+                                         units=(1, 0, 2), heads=(2, 1), hdim=16, backend="triton"),
+    "llama3-full-dropout-triton": dict(kind="llama3", causal=False, dropout=0.25, dtype="float32", docs=(5, 0, 9),
+                                       heads=(4, 2), hdim=16, stride=1, backend="triton"),
 }
 
 
@@ -208,7 +238,10 @@ def _inputs(case, world: int, seed: int):
 def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int, device):
     """(ref64, plain) lists for out, lse, dq, dk, dv (and dsink with sinks) of the whole sequence /
     packed batch, for the loss sum(out * dout) + sum(lse * dlse). With dropout, the seed the
-    whole-sequence call would draw on the ring's ``device`` (CUDA and CPU generators differ)."""
+    whole-sequence call would draw on the ring's ``device`` (CUDA and CPU generators differ), and
+    the mask of the single call: flash_attn_varlen_func hashes document b as batch entry b (its
+    index in cu_seqlens, zero-length documents counted), so each document's dense oracle runs
+    as entry b of a batch whose entries before it are zeros."""
     opts = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
                 softmax_scale=case.get("softmax_scale"))
     if case.get("dropout"):  # the seed the ring draws after torch.manual_seed(DROPOUT_SEED), as one call would
@@ -217,7 +250,11 @@ def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int, device):
     alibi = None if slopes is None else slopes.double().numpy()
     sink64 = None if sink is None else sink.double().numpy()
 
-    def one(qs, ks, vs, ds, dl):  # (B, S, H, D) tensors, dl (B, H, S) or None
+    def one(qs, ks, vs, ds, dl, at=0):  # (B, S, H, D) tensors, dl (B, H, S) or None; at: their first entry
+        if at and "dropout_p" in opts:  # entries of zeros before (their dsink terms are 0: dout = dlse = 0)
+            pad = lambda t: torch.cat([t.new_zeros((at,) + t.shape[1:]), t])  # noqa: E731
+            results = one(*(pad(t) for t in (qs, ks, vs, ds)), None if dl is None else pad(dl))
+            return [[x if i == 5 else x[at:] for i, x in enumerate(r)] for r in results]
         ref_out, ref_lse = attention_naive(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
                                            alibi_slopes=alibi, learnable_sink=sink64, **opts)
         ref_grads = attention_naive_grad(qs.double().numpy(), ks.double().numpy(), vs.double().numpy(),
@@ -239,10 +276,10 @@ def _oracle(case, q, k, v, dout, slopes, sink, dlse, world: int, device):
     parts = 5 if sink is None else 6
     refs, plains = [[] for _ in range(parts)], [[] for _ in range(parts)]
     start = 0
-    for n in _doc_lengths(case, world):
+    for b, n in enumerate(_doc_lengths(case, world)):
         if n:
             dl = None if dlse is None else dlse[:, start:start + n].unsqueeze(0)
-            r, p = one(*(t[start:start + n].unsqueeze(0) for t in (q, k, v, dout)), dl)
+            r, p = one(*(t[start:start + n].unsqueeze(0) for t in (q, k, v, dout)), dl, at=b)
             for i in range(parts):  # packed layouts: tokens first, lse (heads, tokens); dsink summed below
                 refs[i].append(r[i] if i == 5 else r[i][0])
                 plains[i].append(p[i] if i == 5 else p[i][0])
@@ -320,6 +357,8 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         n_local = cu_q.shape[0] - 1
         if slopes is not None:  # per-sequence slopes (n_local, nheads): every sequence gets the same here
             opts["alibi_slopes"] = slopes.to(device).expand(n_local, -1).contiguous()
+        if case.get("dropout"):  # the global offsets, whose document indices the single call's mask hashes
+            opts["cu_seqlens"] = docs.to(device)
         if form == "kvpacked":
             out, lse, _ = llama3_flash_attn_varlen_kvpacked_func(lq, torch.stack([lk, lv], dim=1), cu_q, cu_k, max_q,
                                                                  max_k, case["stride"], k_slice, **opts)
@@ -331,6 +370,10 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         out.backward(mine(dout).to(device))
     else:  # the loss sum(out * dout) + sum(lse * dlse)
         torch.autograd.backward((out, lse), (mine(dout).to(device), mine(dlse, lse_dim).to(device)))
+    dsink = None
+    if sink is not None:  # each rank holds its rows' share of the sinks' gradient (summed before any check
+        dsink = sink_leaf.grad.clone()  # can fail on one rank only: the ranks' collectives stay in step)
+        dist.all_reduce(dsink, group=group)
 
     refs, plains = _oracle(case, q, k, v, dout, slopes, sink, dlse, world, device)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
@@ -339,10 +382,33 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
     for label, got, plain, ref in zip(("dq", "dk", "dv"), (lq.grad, lk.grad, lv.grad), plains[2:], refs[2:]):
         assert got.dtype == q.dtype
         assert_within(f"{name} {label}", got, mine(plain), mine(ref), factor=GRAD_FACTOR)
-    if sink is not None:  # each rank holds its rows' share of the sinks' gradient
-        dsink = sink_leaf.grad.clone()
-        dist.all_reduce(dsink, group=group)
+    if dsink is not None:
         assert_within(f"{name} dsink", dsink.cpu(), plains[5], refs[5], factor=GRAD_FACTOR)
+    if case.get("dropout") and kind not in ("contiguous", "zigzag") and rank == 0:
+        # the oracle's mask is the single call's: flash_attn_varlen_func on the whole batch passes it too
+        single = _single_call(case, q, k, v, dout, slopes, sink, dlse, docs, device)
+        for label, got, plain, ref in zip(("out", "lse", "dq", "dk", "dv", "dsink"), single, plains, refs):
+            assert_within(f"{name} single call {label}", got.cpu(), plain, ref,
+                          factor=GRAD_FACTOR if label.startswith("d") else 2.0)
+
+
+def _single_call(case, q, k, v, dout, slopes, sink, dlse, docs, device):
+    """out, lse, dq, dk, dv (and dsink) of flash_attn_varlen_func on the whole packed batch, its
+    dropout seed drawn as the ring's is (torch.manual_seed(DROPOUT_SEED) on ``device``)."""
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    sink_leaf = None if sink is None else sink.to(device).requires_grad_()
+    longest = int((docs[1:] - docs[:-1]).max())
+    torch.manual_seed(DROPOUT_SEED)
+    out, lse, _ = flash_attn_varlen_func(*leaves, docs.to(device), docs.to(device), longest, longest,
+                                         dropout_p=case["dropout"], softmax_scale=case.get("softmax_scale"),
+                                         causal=case["causal"], window_size=case.get("window", (-1, -1)),
+                                         softcap=case.get("softcap", 0.0),
+                                         alibi_slopes=None if slopes is None else slopes.to(device),
+                                         return_attn_probs=True, learnable_sink=sink_leaf)
+    grads_in = (dout.to(device),) if dlse is None else (dout.to(device), dlse.to(device))
+    outputs = (out,) if dlse is None else (out, lse)
+    grads = torch.autograd.grad(outputs, leaves + ([] if sink_leaf is None else [sink_leaf]), grads_in)
+    return [out.detach(), lse.detach(), *grads]
 
 
 def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str, cases: list[str]) -> None:
@@ -598,7 +664,7 @@ def test_bad_input_raises_before_any_communication():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="even"):
         zigzag_ring_flash_attn_varlen_func(packed, packed, packed, cu, 5)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(RuntimeError, match="init_process_group"):  # dropout taken, the missing group refused
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 5, dropout_p=0.1)
     with pytest.raises(ValueError, match="heads_k_stride"):
         llama3_flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, 3, slice(0, 8))
@@ -610,6 +676,30 @@ def test_bad_input_raises_before_any_communication():
         zigzag_shard_varlen(packed, cu, 0, 2)
     with pytest.raises(ValueError, match="divisible by world_size"):
         llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32), True, 0, 2)
+
+
+def test_llama3_dropout_needs_the_global_offsets():
+    """With dropout, llama3 needs the global cu_seqlens (the document indices its mask hashes) and
+    checks that they hold each local sequence; each sequence's document and position come from them."""
+    from tileattn.contract import AttnParams
+    from tileattn.distributed.llama3 import _documents, _global_offsets
+
+    cu = torch.tensor([0, 5, 5, 22, 23, 32], dtype=torch.int32)  # documents 5, 0, 17, 1, 9 on 2 ranks
+    with pytest.raises(ValueError, match="dropout_p > 0 needs cu_seqlens"):
+        _global_offsets(None, 32, cu.device, 0.1)
+    assert _global_offsets(None, 32, cu.device, 0.0) is None
+    assert _global_offsets(cu, 32, cu.device, 0.0) is None  # checked, not needed
+    with pytest.raises(ValueError, match="end at the 30"):
+        _global_offsets(cu, 30, cu.device, 0.1)
+    with pytest.raises(TypeError, match="int32"):
+        _global_offsets(cu.long(), 32, cu.device, 0.1)
+    bounds = _global_offsets(cu, 32, cu.device, 0.1)
+    params = AttnParams(softmax_scale=1.0, window_right=0, dropout_p=0.1)
+    cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, 1, 2)
+    docs = _documents(16, 1, cu_q, cu_k, k_slice, params, False, bounds)
+    assert [(b, doc, pos) for b, _, _, doc, pos in docs] == [(0, 2, 11), (1, 3, 0), (2, 4, 0)]
+    with pytest.raises(ValueError, match="not within one document"):
+        _documents(16, 1, cu_q, cu_k, k_slice, params, False, [0, 20, 32])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

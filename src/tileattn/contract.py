@@ -51,7 +51,9 @@ Layouts (last dim contiguous; other strides arbitrary, so views work):
   GPU; the CPU path does not split).
 * Dropout (params.dropout_p > 0): element (b, h, i, j) is kept iff
   ``tileattn.dropout_mask.keep_mask(params.dropout_seed, b * H + h, i, j, p)``; kept
-  probabilities are scaled by 1 / (1 - p); the LSE is unaffected.
+  probabilities are scaled by 1 / (1 - p); the LSE is unaffected. A call on a part of a
+  larger batch hashes the element's coordinates in that batch instead
+  (``params.dropout_base``, ``params.dropout_nheads``; ``AttnParams.dropout_offsets``).
 * ``learnable_sink``: None or (H,) fp32, one logit per query head that joins each row's softmax
   denominator without a value: lse = log(sum_j exp(s_ij) + exp(sink_h)), included in the
   returned lse; once per row, whatever num_splits. ``dsink`` (H,) receives its gradient.
@@ -80,7 +82,10 @@ class AttnParams:
     diag_shift, for the window bounds and ALiBi's distance alike. Public calls leave it 0; ring
     attention sets it so that a block of a longer sequence keeps the positions it has there.
     ``dropout_base`` does the same for the dropout mask, which hashes (batch, head, query, key):
-    a ring block's call hashes the coordinates its elements have in the whole batch.
+    a ring block's call hashes the coordinates its elements have in the whole batch, element
+    (b, h, i, j) of the call being element (b + b0, h + h0, i + i0, j + j0) of a batch of
+    ``dropout_nheads`` query heads (0: the call's own), e.g. a chunk of heads of a document of
+    a packed batch (``dropout_offsets`` folds this into the counters the backends hash).
     """
 
     softmax_scale: float
@@ -90,4 +95,12 @@ class AttnParams:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     diag_shift: int = 0
-    dropout_base: tuple[int, int, int] = (0, 0, 0)  # (batch, query, key) added to dropout's coordinates
+    dropout_base: tuple[int, int, int, int] = (0, 0, 0, 0)  # (batch, head, query, key) added to dropout's coordinates
+    dropout_nheads: int = 0  # query heads of the batch dropout_base places the call in; 0: the call's own
+
+    def dropout_offsets(self, nheads: int) -> tuple[int, int, int, int]:
+        """``(bh0, bh_stride, i0, j0)`` for a call of ``nheads`` query heads: its element (b, h, i, j)
+        hashes as ``keep_mask(dropout_seed, b * bh_stride + bh0 + h, i + i0, j + j0, p)``."""
+        b0, h0, i0, j0 = self.dropout_base
+        stride = self.dropout_nheads or nheads
+        return b0 * stride + h0, stride, i0, j0

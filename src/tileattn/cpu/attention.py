@@ -210,13 +210,17 @@ class _Tiles:
         return s, th
 
     def keep(self, t0, c, i0, i1, j0, j1):
-        """Dropout keep / (1 - p) as [c, G * rows, keys]; bh = batch * H + query head."""
-        b0, r0, c0 = self.p.dropout_base  # the coordinates the call's elements have in the whole batch
+        """Dropout keep / (1 - p) as [c, G * rows, keys] of (batch x key head) pairs [t0, t0 + c):
+        element (b, h, i, j) hashes as bh = b * stride + bh0 + h, i + i0, j + j0, the coordinates it
+        has in the whole batch (``AttnParams.dropout_offsets``; bh = b * H + h for a plain call)."""
+        bh0, stride, r0, c0 = self.p.dropout_offsets(self.H)
         rows, cols = torch.arange(i0, i1) + r0, torch.arange(j0, j1) + c0
         z = torch.empty(c * self.G, i1 - i0, j1 - j0, dtype=self.acc)
-        first = (self.b0 + b0) * self.H + t0 * self.G  # flat (batch, query head) index of the chunk
+        Hk = self.H // self.G
         for x in range(c * self.G):
-            z[x] = keep_mask(self.p.dropout_seed, first + x, rows, cols, self.p.dropout_p)
+            b, hk = divmod(t0 + x // self.G, Hk)  # the pair's batch (in this group) and key head
+            bh = (self.b0 + b) * stride + bh0 + hk * self.G + x % self.G
+            z[x] = keep_mask(self.p.dropout_seed, bh, rows, cols, self.p.dropout_p)
         return z.mul_(1.0 / (1.0 - self.p.dropout_p)).view(c, -1, j1 - j0)
 
 

@@ -29,10 +29,18 @@ bottom-right per document; a document whose keys run past its local queries (cau
 moved into place with its window, as in ``plan.py``: ``shift = (end of queries) - (end of
 keys)``. ALiBi needs shift 0 (true whenever ``causal=True``). Learnable sinks enter each row
 once (every row is attended in exactly one call); the LSE is differentiable.
+
+Dropout hashes what ``flash_attn_varlen_func`` on the whole packed batch hashes: (document index
+b in the global ``cu_seqlens``, query head h of nheads, positions inside the document). Each call
+names where it sits (``AttnParams.dropout_base`` = (b, first head, first query's position, first
+key's position), ``dropout_nheads`` = nheads): an away call per chunk of heads, a home call per
+run of documents that follow each other in the global offsets from position 0 (a zero-length
+document between two, or a first document begun on an earlier rank, starts a new run).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 
 import torch
@@ -100,10 +108,10 @@ def _local(rows: slice, base: int) -> slice:
 
 
 def _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool, stride: int, nheads_k: int,
-          peers: Peers) -> Llama3Plan:
+          peers: Peers, bounds=None) -> Llama3Plan:
     """Documents, windows and transfers of this rank. Every rank's key range is all-gathered (two
     integers) so that each knows which of its rows the others read."""
-    docs = _documents(q.shape[0], peers.rank, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi)
+    docs = _documents(q.shape[0], peers.rank, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi, bounds)
     need = torch.tensor(_key_range(docs, q.shape[0], peers.rank), dtype=torch.int64, device=q.device)
     if peers.world_size > 1:
         gathered = need.new_empty(2 * peers.world_size)
@@ -117,9 +125,13 @@ def _key_range(docs, n: int, rank: int) -> list[int]:
     return [docs[0][2].start, docs[-1][2].stop] if docs else [rank * n, (rank + 1) * n]
 
 
-def _documents(n: int, rank: int, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool) -> list:
-    """[(b, query rows, key rows)] in global packed rows, keys cut to the window's reach; checks
-    that the offsets are llama3_flash_attn_prepare_cu_seqlens's."""
+def _documents(n: int, rank: int, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool,
+               bounds: list[int] | None = None) -> list:
+    """[(b, query rows, key rows, doc, pos)] in global packed rows, keys cut to the window's reach;
+    checks that the offsets are llama3_flash_attn_prepare_cu_seqlens's. With ``bounds`` (the global
+    cu_seqlens, for dropout) ``doc`` is the index of sequence b's document in them and ``pos`` the
+    position of its first local query in that document, which the single call's dropout hashes;
+    without, ``doc`` is b and ``pos`` 0."""
     lo = rank * n
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     k0 = local_k_slice.start
@@ -139,13 +151,22 @@ def _documents(n: int, rank: int, cu_seqlens_q, cu_seqlens_k, local_k_slice, par
                                f"queries (rows {q_lo}..{q_hi}) and follow the keys of the sequence before: pass "
                                "the results of llama3_flash_attn_prepare_cu_seqlens")
         prev_k_hi = k_hi
+        doc, pos = b, 0
+        if bounds is not None:
+            doc = bisect.bisect_right(bounds, q_lo) - 1  # the (non-empty) document holding row q_lo
+            if not bounds[doc] <= k_lo <= q_hi <= bounds[doc + 1] or k_hi > bounds[doc + 1]:
+                V.fail(ValueError, f"{_NAME}: sequence {b} (query rows {q_lo}..{q_hi}, key rows {k_lo}..{k_hi}) "
+                                   f"is not within one document of cu_seqlens ({bounds[doc]}..{bounds[doc + 1]} "
+                                   "holds its first row): pass the cu_seqlens given to "
+                                   "llama3_flash_attn_prepare_cu_seqlens")
+            pos = q_lo - bounds[doc]
         start = max(k_lo, q_lo - wl) if wl >= 0 else k_lo  # keys no query of the sequence reaches are cut
         end = min(k_hi, q_hi + wr) if wr >= 0 else k_hi
         if alibi and q_hi != end:
             V.fail(NotImplementedError, f"{_NAME}: with alibi_slopes, a sequence's keys may not run past its local "
                                         f"queries (sequence {b} does: causal=False across a rank border); use "
                                         "causal=True or window_size=(left, 0)")
-        docs.append((b, slice(q_lo, q_hi), slice(start, end)))
+        docs.append((b, slice(q_lo, q_hi), slice(start, end), doc, pos))
     return docs
 
 
@@ -158,9 +179,9 @@ def _layout(docs, ranges, n: int, rank: int, params, cu_seqlens_q, stride: int, 
     exports = tuple((p, _local(slice(max(a, lo), min(b, hi)), lo)) for p, (a, b) in enumerate(ranges)
                     if p != rank and max(a, lo) < min(b, hi))
     runs = []  # home documents (keys = queries, on this rank), consecutive ones in one varlen call
-    for d in docs:
+    for d in docs:  # consecutive for dropout's hash too: documents that follow each other, from position 0
         if lo <= d[2].start and d[2].stop <= hi:
-            if runs and runs[-1][-1][0] == d[0] - 1:
+            if runs and runs[-1][-1][0] == d[0] - 1 and runs[-1][-1][3] == d[3] - 1 and runs[-1][0][4] == d[4] == 0:
                 runs[-1].append(d)
             else:
                 runs.append([d])
@@ -170,19 +191,30 @@ def _layout(docs, ranges, n: int, rank: int, params, cu_seqlens_q, stride: int, 
         offsets = [d[1].start - lo - rows.start for d in run] + [rows.stop - rows.start]
         cu = cu_seqlens_q if len(run) == n_docs else torch.tensor(offsets, dtype=torch.int32, device=device)
         longest = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-        home.append(_Call(rows, rows, slice(run[0][0], run[-1][0] + 1), params, cu, cu, longest, longest))
+        hashed = _hashed(params, run[0][3], run[0][4], run[0][4])
+        home.append(_Call(rows, rows, slice(run[0][0], run[-1][0] + 1), hashed, cu, cu, longest, longest))
     away = []
-    for b, qs, ks in docs:
+    for b, qs, ks, doc, pos in docs:
         if lo <= ks.start and ks.stop <= hi:
             continue
         shift = qs.stop - ks.stop  # (end of queries) - (end of keys), as in plan.py
-        moved = replace(params, window_left=wl - shift if wl >= 0 else -1, window_right=wr + shift if wr >= 0 else -1)
+        moved = replace(_hashed(params, doc, pos, pos + ks.start - qs.start),
+                        window_left=wl - shift if wl >= 0 else -1, window_right=wr + shift if wr >= 0 else -1)
         sources = tuple((p, slice(max(ks.start, p * n), min(ks.stop, (p + 1) * n))) for p in range(len(ranges))
                         if p != rank and max(ks.start, p * n) < min(ks.stop, (p + 1) * n))
         away.append(_Away(_Call(_local(qs, lo), slice(0, ks.stop - ks.start), slice(b, b + 1), moved), ks,
                           slice(max(ks.start, lo), min(ks.stop, hi)), sources))
     chunks = tuple((h, h + stride) for h in range(0, nheads_k, stride))
     return Llama3Plan(lo, tuple(home), tuple(away), exports, chunks)
+
+
+def _hashed(params: AttnParams, doc: int, q_pos: int, k_pos: int) -> AttnParams:
+    """With dropout, ``params`` for a call whose first sequence is document ``doc`` of the packed
+    batch, its first query and key at positions ``q_pos``, ``k_pos`` there: the coordinates the
+    single call's dropout hashes (the chunk's first head is set per call, ``_args``)."""
+    if params.dropout_p == 0:
+        return params
+    return replace(params, dropout_base=(doc, 0, q_pos, k_pos))
 
 
 def _heads(h0: int, h1: int, group_size: int) -> slice:
@@ -225,8 +257,13 @@ def _post_grads(plan: Llama3Plan, k, v, c: int, grads, peers):
 
 
 def _args(call: _Call, heads: slice, alibi, *tensors):
-    """Backend arguments of one call (tensors already cut to its rows and heads)."""
-    kw = dict(params=call.params, alibi_slopes=None if alibi is None else alibi[call.docs, heads])
+    """Backend arguments of one call (tensors already cut to its rows and heads); dropout hashes
+    a chunk's head h as head heads.start + h of the batch's (``AttnParams.dropout_nheads``)."""
+    params = call.params
+    if params.dropout_p > 0 and heads.start:
+        b0, _, i0, j0 = params.dropout_base
+        params = replace(params, dropout_base=(b0, heads.start, i0, j0))
+    kw = dict(params=params, alibi_slopes=None if alibi is None else alibi[call.docs, heads])
     if call.cu_q is None:
         return tuple(t.unsqueeze(0) for t in tensors), kw
     kw.update(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
@@ -302,6 +339,25 @@ def llama3_bwd(dout, q, k, v, out, lse, dlse, plan: Llama3Plan, kept, peers, det
     return dq, dk, dv
 
 
+def _global_offsets(cu_seqlens, total: int, device, dropout_p: float) -> list[int] | None:
+    """The global offsets' values (checked) where dropout needs them, else None."""
+    if cu_seqlens is None:
+        if dropout_p > 0:
+            V.fail(ValueError, f"{_NAME}: dropout_p > 0 needs cu_seqlens=, the global offsets given to "
+                               "llama3_flash_attn_prepare_cu_seqlens: the mask of the single call hashes each "
+                               "document's index in them, which the local offsets do not tell")
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        V.fail(ValueError, f"{_NAME}: cu_seqlens must be a 1-D int32 tensor of length batch + 1 (>= 2), got "
+                           f"{getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
+    V.check_int32_vector("cu_seqlens", cu_seqlens, cu_seqlens.shape[0], device)
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        V.fail(ValueError, f"{_NAME}: cu_seqlens must start at 0, never decrease and end at the {total} packed "
+                           f"tokens of all ranks, got {bounds[0]} ... {bounds[-1]}")
+    return bounds if dropout_p > 0 else None
+
+
 class Llama3FlashAttnVarlenFunc(torch.autograd.Function):
     """Forward and backward across ``group``; differentiable in q, k, v, the LSE and the sinks."""
 
@@ -328,7 +384,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   local_k_slice, dropout_p=0.0, softmax_scale=None, causal=False,
                                   window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                   return_attn_probs=False, group=None, *, softcap=0.0,
-                                  learnable_sink=None):
+                                  learnable_sink=None, cu_seqlens=None):
     """Attention of this rank's packed rows over the whole packed batch (keys/values all-gathered).
 
     q (total_local, nheads, headdim), k, v (total_local, nheads_k, headdim): rows
@@ -344,6 +400,13 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     in ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
     its gradient is this rank's rows' share, summed across ranks like any replicated parameter's)
     are tileattn's additions. Differentiable in q, k, v, the sinks and the returned LSE.
+
+    ``dropout_p`` > 0 drops what ``flash_attn_varlen_func`` on the whole packed batch drops with
+    the same seed (drawn from each rank's generator of q's device: seed every rank alike). That
+    call hashes each element's document index, head and positions inside the document; the
+    local offsets do not tell a document's index (documents on other ranks and zero-length ones
+    come before it), so dropout needs ``cu_seqlens`` (keyword, tileattn's addition): the global
+    offsets given to ``llama3_flash_attn_prepare_cu_seqlens``.
     """
     V.check_qkv(q, k, v, packed=True)
     if k.shape[0] != q.shape[0]:
@@ -359,9 +422,11 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     max_seqlen_k = V.integer("max_seqlen_k", max_seqlen_k, minimum=0)
     params = ring_options(_NAME, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group,
-                          dropout_ok=False)
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     world_size = dist.get_world_size(group)
+    bounds = _global_offsets(cu_seqlens, world_size * q.shape[0], q.device, params.dropout_p)
+    if bounds is not None:  # every call hashes heads as the single call does: h of q.shape[1] per document
+        params = replace(params, dropout_nheads=q.shape[1])
     if (not isinstance(local_k_slice, slice) or not all(isinstance(x, int) for x in (local_k_slice.start,
                                                                                      local_k_slice.stop))
             or local_k_slice.step not in (None, 1) or not 0 <= local_k_slice.start <= local_k_slice.stop
@@ -374,7 +439,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     sink = V.check_sink(learnable_sink, q, q.shape[1])
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     plan = _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi is not None, heads_k_stride, nheads_k,
-                 Peers(group))
+                 Peers(group), bounds)
     out, lse = Llama3FlashAttnVarlenFunc.apply(q, k, v, sink, plan, alibi, group, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
@@ -383,25 +448,25 @@ def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, ma
                                            heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
                                            causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                            return_attn_probs=False, group=None, *, softcap=0.0,
-                                           learnable_sink=None):
+                                           learnable_sink=None, cu_seqlens=None):
     """``llama3_flash_attn_varlen_func`` with kv (total_local, 2, nheads_k, headdim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         V.fail(ValueError, f"{_NAME}: kv must be (total, 2, nheads_k, headdim), got {getattr(kv, 'shape', kv)}")
     return llama3_flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
                                          causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                         softcap=softcap, learnable_sink=learnable_sink)
+                                         softcap=softcap, learnable_sink=learnable_sink, cu_seqlens=cu_seqlens)
 
 
 def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
                                             causal=False, window_size=(-1, -1), alibi_slopes=None,
                                             deterministic=False, return_attn_probs=False, group=None, *, softcap=0.0,
-                                            learnable_sink=None):
+                                            learnable_sink=None, cu_seqlens=None):
     """``llama3_flash_attn_varlen_func`` with qkv (total_local, 3, nheads, headdim)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         V.fail(ValueError, f"{_NAME}: qkv must be (total, 3, nheads, headdim), got {getattr(qkv, 'shape', qkv)}")
     return llama3_flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
                                          causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                                         softcap=softcap, learnable_sink=learnable_sink)
+                                         softcap=softcap, learnable_sink=learnable_sink, cu_seqlens=cu_seqlens)

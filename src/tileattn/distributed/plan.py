@@ -91,7 +91,7 @@ def window_pair(qs: Segment, ks: Segment, params: AttnParams, exact: bool = Fals
     every = (wr < 0 or k_hi - 1 <= q_lo + wr) and (wl < 0 or k_lo >= q_hi - 1 - wl)
     shift = q_hi - k_hi
     if exact:
-        moved = replace(params, diag_shift=shift, dropout_base=(params.dropout_base[0], q_lo, k_lo))
+        moved = replace(params, diag_shift=shift, dropout_base=(*params.dropout_base[:2], q_lo, k_lo))
         if every:
             moved = replace(moved, window_left=-1, window_right=-1)
     elif every:

@@ -28,9 +28,11 @@ it enters every call's backward as ``dlse``.
 measure each distance globally: every block's call moves its diagonal to where the block sits
 in the sequence (``plan.window_pair``, ``AttnParams.diag_shift``).
 
-``dropout_p`` (dense forms; the varlen forms refuse it for now) drops the elements the
-single-GPU call on the whole sequence drops with the same seed: each call hashes its elements'
-positions in the whole sequence (``AttnParams.dropout_base``).
+``dropout_p`` drops the elements the single-GPU call drops with the same seed
+(``flash_attn_func`` on the whole sequences, ``flash_attn_varlen_func`` on the whole packed
+batch with the global ``cu_seqlens``): each call hashes the coordinates its elements have there
+(batch row, or document index in the global ``cu_seqlens``; head; positions in the sequence:
+``AttnParams.dropout_base``), so each pair of segments of a sequence is its own call.
 The seed comes from each rank's generator of the inputs' device: seed every rank alike
 (``torch.manual_seed``) for one mask across the ranks, as the single-GPU call would draw it.
 """
@@ -82,7 +84,8 @@ class VarlenPlan(Plan):
     of W (contiguous) or its chunks r then 2W-1-r of 2W (zigzag, n/2 rows each). Without a window
     the documents go through the backend together (zigzag halves gathered by index with
     ``cu_seqlens // 2``); with one, each document's pairs have their own moved window, so each
-    is its own call."""
+    is its own call, as with ALiBi or dropout (``plan.window_pair``'s exact calls; dropout hashes
+    document b as the single call's batch entry b)."""
 
     packed = True
 
@@ -115,7 +118,9 @@ class VarlenPlan(Plan):
             exact = _exact(self.params, self.alibi)
             for doc, (a, b) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
                 alibi = None if self.alibi is None else self.alibi[doc:doc + 1]
-                for p in dense_pairs(rank, src, self.world_size, b - a, self.params, self.zigzag, exact=exact):
+                # the single call hashes document doc's elements as batch doc (its index in cu_seqlens)
+                params = replace(self.params, dropout_base=(doc, 0, 0, 0))
+                for p in dense_pairs(rank, src, self.world_size, b - a, params, self.zigzag, exact=exact):
                     out.append(Call(slice(a + p.q.start, a + p.q.stop), slice(a + p.kv.start, a + p.kv.stop), p.params,
                                     alibi=alibi))
         self._calls[rank, src] = out
@@ -160,17 +165,13 @@ class RingFlashAttnFunc(torch.autograd.Function):
 
 
 def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs, group, dropout_ok: bool = True):
+                 return_attn_probs, group):
     """Scalar options of a ring call as AttnParams (with dropout, the seed drawn from the inputs'
-    device generator, as the single-GPU calls draw it); refuses what the ring cannot do yet, and
-    a missing process group, before anything is computed or sent."""
+    device generator, as the single-GPU calls draw it); refuses bad options and a missing process
+    group before anything is computed or sent."""
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
-    if params.dropout_p > 0 and not dropout_ok:
-        V.fail(NotImplementedError, f"{name}: dropout_p > 0 is not supported yet with packed documents (each "
-                                    "call's dropout hash would need its document's index as well as its positions). "
-                                    "Use dropout_p=0.0, or the dense ring functions, which take it.")
     params = with_dropout_seed(params, q.device)
     if not dist.is_available() or not dist.is_initialized():
         V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
@@ -297,8 +298,7 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
                                f"be even, got {odd}")
     params = ring_options(name, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group,
-                          dropout_ok=False)
+                          deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
     alibi = V.check_alibi(alibi_slopes, cu_seqlens.shape[0] - 1, q.shape[1], q.device)
     plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)

@@ -425,7 +425,7 @@ class FwdPlan:
         args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
                 block_table, k_descale, v_descale, *ints,
                 float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
-                params.window_right, params.diag_shift, *params.dropout_base, params.dropout_seed,
+                params.window_right, params.diag_shift, *params.dropout_offsets(q.shape[-2]), params.dropout_seed,
                 keep_threshold(dropout_p),
                 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
         if self.fwd is not None:

@@ -213,7 +213,7 @@ class BwdPlan:
                          MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
                          DOT_DTYPE=_dot_dtype(q_dtype), DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
         common = (*rows(q_stride), *rows(k_stride), *rows(v_stride), *rows(do_stride))
-        tail = (*ws_strides, *(alibi[0] if alibi else (0, 0)), seqlen_q, seqlen_k, nheads)
+        tail = (*ws_strides, *(alibi[0] if alibi else (0, 0)), seqlen_q, seqlen_k)
         fixed = deterministic or interpreting() or not autotune_enabled()
         bucket = length_bucket(seqlen_q, seqlen_k)
         tensor_dtypes = (*dtypes, cu_q and cu_q[1], cu_k, alibi and alibi[1])
@@ -251,7 +251,7 @@ class BwdPlan:
                 dsink.copy_(-(sink_terms.sum(dim=1) if cu_seqlens_q is not None else sink_terms.sum(dim=(0, 2))))
         p = float(params.dropout_p)
         scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
-                   int(params.window_right), int(params.diag_shift), *params.dropout_base,
+                   int(params.window_right), int(params.diag_shift), *params.dropout_offsets(q.shape[-2]),
                    int(params.dropout_seed) % 2**32, keep_threshold(p),
                    1.0 / (1.0 - p) if p > 0 else 1.0)
         if self.hopper:

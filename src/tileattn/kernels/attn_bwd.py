@@ -159,15 +159,15 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_b0", "drop_r0", "drop_c0"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_bh0", "drop_bh_stride", "drop_r0", "drop_c0"])
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                           cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                           stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                           stride_wb, stride_wh, stride_ab, stride_ah,
-                          seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
-                          drop_b0, drop_r0, drop_c0,
+                          seqlen_q, seqlen_k, sm_scale, softcap, window_left, window_right, diag_shift,
+                          drop_bh0, drop_bh_stride, drop_r0, drop_c0,
                           seed, threshold, keep_scale,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                           HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -224,7 +224,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
         slope_log2 = 0.0
         if HAS_ALIBI:
             slope_log2 = tl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
-        bh = (b + drop_b0) * nheads + h
+        bh = b * drop_bh_stride + drop_bh0 + h  # dropout's (batch, head) counter
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
@@ -294,14 +294,14 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_b0", "drop_r0", "drop_c0"])
+@triton.jit(do_not_specialize=["seed", "threshold", "diag_shift", "drop_bh0", "drop_bh_stride", "drop_r0", "drop_c0"])
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, alibi_ptr,
                         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                         stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                         stride_dqb, stride_dqm, stride_dqh, stride_wb, stride_wh, stride_ab, stride_ah,
-                        seqlen_q, seqlen_k, nheads, sm_scale, softcap, window_left, window_right, diag_shift,
-                        drop_b0, drop_r0, drop_c0,
+                        seqlen_q, seqlen_k, sm_scale, softcap, window_left, window_right, diag_shift,
+                        drop_bh0, drop_bh_stride, drop_r0, drop_c0,
                         seed, threshold, keep_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
@@ -337,7 +337,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
-    bh = (b + drop_b0) * nheads + h
+    bh = b * drop_bh_stride + drop_bh0 + h  # dropout's (batch, head) counter
 
     # Keys seen by some row of this block: j >= start_m + diag_off - left and
     # j <= start_m + BLOCK_M - 1 + diag_off + right. Blocks [n_a, n_b) need no mask.

@@ -117,8 +117,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 
 
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
-                               "window_left", "window_right", "diag_shift", "drop_b0", "drop_r0", "drop_c0",
-                               "dropout_seed", "dropout_threshold"])
+                               "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
+                               "drop_r0", "drop_c0", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
@@ -128,7 +128,7 @@ def _attn_fwd_kernel(
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_tb,
     nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
-    scale_log2, softcap, window_left, window_right, diag_shift, drop_b0, drop_r0, drop_c0,
+    scale_log2, softcap, window_left, window_right, diag_shift, drop_bh0, drop_bh_stride, drop_r0, drop_c0,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
@@ -223,7 +223,7 @@ def _attn_fwd_kernel(
         slope_log2 = tl.load(Slopes + b64 * stride_sb + head * stride_sh)[:, None] * LOG2E  # [BLOCK_M, 1]
     else:
         slope_log2 = 0.0
-    bh = (b + drop_b0) * nheads + head  # [BLOCK_M] dropout's (batch, head) counter
+    bh = b * drop_bh_stride + drop_bh0 + head  # [BLOCK_M] dropout's (batch, head) counter
     if IS_FP8:  # one KV head per program: k's descale scales every score, v's the output
         kv_idx = b64 * (nheads // GROUP) + head_k
         scale_log2 = scale_log2 * tl.load(KDescale + kv_idx)

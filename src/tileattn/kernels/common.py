@@ -108,8 +108,8 @@ def fmix32(h):
 def dropout_keep(seed, bh, q_pos, k_pos, threshold):
     """[BLOCK_M, BLOCK_N] keep-mask, bit-identical to ``tileattn.dropout_mask.keep_mask``.
 
-    ``seed`` and ``bh`` are integers (bh = batch index * nheads + query head), ``threshold``
-    is ``round(p * 2**24)``.
+    ``seed`` and ``bh`` are integers (bh = batch index * nheads + query head, in the batch the
+    call's elements belong to: ``AttnParams.dropout_offsets``), ``threshold`` is ``round(p * 2**24)``.
     """
     base = fmix32((seed.to(tl.uint32) + bh.to(tl.uint32) * 0x9E3779B9).to(tl.uint32))
     row = fmix32(base ^ q_pos.to(tl.uint32))  # [BLOCK_M]
