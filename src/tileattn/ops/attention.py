@@ -86,11 +86,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     batch, seqlen_q = q.shape[0], q.shape[1]
     if k.shape[0] != batch:
         V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
-    V.check_grid(batch, q, k, v)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
+    V.check_backward(batch, q, k, v, sink)
 
     params = with_dropout_seed(params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
