@@ -51,6 +51,7 @@ DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the s
 MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
+COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
@@ -534,9 +535,9 @@ def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, 
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
+    block_s = min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S, COMBINE_MAX_TILE // head_dim_pad)
     launch = launch_for(_combine_kernel,
-                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=sink is not None,
+                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=block_s, HAS_SINK=sink is not None,
                              SKIP_MARKED=marked),
                         dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
                                             int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))

@@ -17,24 +17,37 @@ The key tiles a query block needs fall into three ranges, walked in order:
     [full_lo, full_hi)  every (row, key) pair visible and every key < seqlen_k: no mask work
     [full_hi, n_hi)     causal diagonal / right window edge / last partial tile: masked
 
-Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SPLIT_KV`` the grid's
-axis 1 cuts ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial,
-already normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
+Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SINGLE_LOOP`` one
+masked loop walks all of ``[n_lo, n_hi)`` instead (the wide tile, below: a 512-wide fp32
+accumulator leaves no registers for the pipelines of a second loop, and the masks cost a few
+operations per score beside a 576-deep product). With ``SPLIT_KV`` the grid's axis 1 cuts
+``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial, already
+normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
 
 ``HEAD_DIM_V`` is v's head dim (and the output's), which may differ from q/k's ``HEAD_DIM``
-(MLA). Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
+(MLA). With ``HEAD_DIM_TAIL > 0`` q/k's head dim is ``HEAD_DIM + HEAD_DIM_TAIL``: a power-of-two
+main part (``HEAD_DIM = HEAD_DIM_PAD``) and a tail padded to ``HEAD_DIM_TAIL_PAD``; the scores are
+``q_main . k_main + q_tail . k_tail``, so MLA's absorbed 576 = 512 + 64 is not padded to 1024
+(``HEAD_DIM_TAIL = 0``, every head dim up to 256, compiles to the kernel without it).
+``V_IS_K``: v is k's first ``HEAD_DIM_V`` (= ``HEAD_DIM``) columns in memory (MLA's latent cache,
+``v_cache = k_cache[..., :512]``): the key tile loaded for the scores is the value tile, so the
+latent is read once.
+
+Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
 ``IS_PAGED`` (keys in a block pool addressed through a block table), ``HAS_SEQUSED_K``,
-``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r % GROUP``,
-so one program reads each K/V tile once for the whole group), ``SPLIT_KV``, ``MASK_LEFT`` /
-``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0), ``HAS_SOFTCAP``,
-``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with descales ``KDescale``/``VDescale``,
-contiguous (batch, nheads_k) fp32, real = stored x descale: the tiles convert exactly to
-``DOT_DTYPE``, k's descale joins the score scale and v's the output), ``HAS_SINK (a learnable sink logit per query head: without
-``SPLIT_KV`` the recurrence starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key
-of value 0 every row sees; with it the combine merges the sink once). ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
-dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16 under Triton
-3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the launcher then asks
-for fp32.
+``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r %
+GROUP``, so one program reads each K/V tile once for the whole group), ``SPLIT_KV``,
+``MASK_LEFT`` / ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0),
+``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with
+descales ``KDescale``/``VDescale``, contiguous (batch, nheads_k) fp32, real = stored x descale:
+the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale and v's the
+output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
+starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
+with it the combine merges the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
+``V_IS_K`` and ``SINGLE_LOOP`` (above). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
+the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
+under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
+launcher then asks for fp32.
 """
 
 import triton
@@ -213,8 +226,8 @@ def _attn_fwd_kernel(
     b_q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
     if HEAD_DIM_TAIL > 0:  # q's columns HEAD_DIM .. HEAD_DIM + HEAD_DIM_TAIL - 1
         offs_t = tl.arange(0, HEAD_DIM_TAIL_PAD)  # [HEAD_DIM_TAIL_PAD]
-        b_qt = tl.load(Q + q_rows[:, None] + HEAD_DIM + offs_t[None, :],
-                       mask=row_ok[:, None] & (offs_t[None, :] < HEAD_DIM_TAIL), other=0.0)  # [BLOCK_M, HEAD_DIM_TAIL_PAD]
+        qt_mask = row_ok[:, None] & (offs_t[None, :] < HEAD_DIM_TAIL)  # [BLOCK_M, HEAD_DIM_TAIL_PAD]
+        b_qt = tl.load(Q + q_rows[:, None] + HEAD_DIM + offs_t[None, :], mask=qt_mask, other=0.0)
     else:
         b_qt = b_q  # a stand-in: without a tail the inner loop never reads it
     if IS_FP8:
