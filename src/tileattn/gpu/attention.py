@@ -267,8 +267,8 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     get the plan without the right mask: one kernel variant fewer, and no spill (sm_90: the
     unsplit decode tile had 24 bytes of stack with the mask, none without).
 
-    Whether v is a view of k's leading columns (``_v_is_k``) is part of the key: a wide plan then
-    reads the value tile from the key tile (``V_IS_K``).
+    Whether v is a view of k's leading columns (``_v_is_k``, asked only of head dims above 256)
+    is part of the key: a wide plan then reads the value tile from the key tile (``V_IS_K``).
     """
     one_query = (q.shape[1] if cu_seqlens_q is None else max_seqlen_q) == 1 and params.diag_shift == 0
     if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
@@ -294,7 +294,7 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if k_descale is None else k_descale.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
             params.window_left >= 0, params.window_right >= 0 and not one_query, params.softcap > 0,
-            params.dropout_p > 0, _v_is_k(k, v))
+            params.dropout_p > 0, max(k.shape[-1], v.shape[-1]) > TAIL_ABOVE and _v_is_k(k, v))
 
 
 class FwdPlan:
