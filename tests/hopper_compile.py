@@ -210,6 +210,11 @@ def mla_cases(t, g):
         kc = t(2, 256, 1, d)
         cases.append((f"wide decode d{d} v{dv} h{heads}", t(2, 1, heads, d), kc, kc[..., :dv] if dv == 256 else
                       t(2, 256, 1, dv), dict(params=AttnParams(d**-0.5, -1, 0), num_splits=2)))
+    q = t(69, 16, 576)  # a mixed batch: decoding rows split, a long sequence's rows (8 warps) not
+    cases.append(("MLA mixed batch paged varlen h16 split", q, pool, pool[..., :512], dict(
+        params=AttnParams(576**-0.5, -1, 0), cu_seqlens_q=torch.tensor([0, 1, 5, 69, 69], dtype=torch.int32),
+        block_table=table, seqused_k=torch.tensor([100, 40, 190, 7], dtype=torch.int32), max_seqlen_q=64,
+        max_seqlen_k=512, num_splits=3)))
     lat = t(2, 300, 1, 576)
     cases.append(("MLA prefill causal latent h8", t(2, 300, 8, 576), lat, lat[..., :512],
                   dict(params=AttnParams(576**-0.5, -1, 0))))

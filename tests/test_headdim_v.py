@@ -350,6 +350,26 @@ def test_wide_prefill_on_the_triton_path(triton_path, seqlen_q, seqlen_k, nheads
         assert torch.isneginf(lse[:, :, :seqlen_q - seqlen_k]).all()
 
 
+def test_mla_mixed_batch_on_the_triton_path(triton_path):
+    """A serving step over the paged latent in one flash_attn_varlen_func call: decoding rows, a
+    speculative row of 3 and a prefill chunk of 11 queries (8 heads over the latent: more than the
+    decode tile's 64 rows), split; the chunk's rows are a second launch of the wide tile."""
+    gen = torch.Generator().manual_seed(41)
+    lens_q, lens_k = [1, 3, 11, 1], [60, 17, 75, 1]
+    pool, table, tokens = latent_pool(gen, lens_k, 16, 576, torch.bfloat16)
+    q = rand(gen, sum(lens_q), 8, 576, dtype=torch.bfloat16)
+    cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    pool = pool.to(DEVICE)
+    out = tileattn.flash_attn_varlen_func(q.to(DEVICE), pool, pool[..., :512], cu_q.to(DEVICE), None, max(lens_q),
+                                          max(lens_k), causal=True, block_table=table.to(DEVICE), num_splits=3,
+                                          seqused_k=torch.tensor(lens_k, dtype=torch.int32, device=DEVICE))
+    plans = list(triton_path._PLANS.values())
+    assert len(plans) == 1 and plans[0].long is not None and plans[0].flags["V_IS_K"]
+    for b in range(len(lens_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        check_per_sequence(out[None, rows], q[None, rows], tokens[b:b + 1], tokens[b:b + 1, ..., :512], [lens_k[b]])
+
+
 @pytest.mark.parametrize("needs_grad", ["q", "v", "sink", "varlen"])
 def test_gradients_above_256_raise_before_any_kernel(triton_path, monkeypatch, needs_grad):
     """The Triton backward stops at head dim 256: a call that may need gradients with a wider q/k or

@@ -95,7 +95,8 @@ def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, v_width=None)
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32)."""
+    """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32).
+    Head dims above 256 never reach the autotuner: they take the wide tile (``FwdPlan``)."""
     head_dim_pad = max(kwargs["HEAD_DIM_PAD"], kwargs.get("HEAD_DIM_V_PAD", 0))  # the larger of q/k's and v's
     elem = named_args["Q"].element_size()
     kept = [c for c in configs
