@@ -190,9 +190,9 @@ def mla_cases(t, g):
     table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
     used = torch.tensor([5, 60, 300, 512], dtype=torch.int32)
     for heads, splits in ((128, 3), (128, 1), (16, 2)):
-        cases.append((f"MLA decode paged 64 latent h{heads} splits {splits}", t(4, 1, heads, 576), pool, pool[..., :512],
-                      dict(params=AttnParams(576**-0.5, -1, 0), seqused_k=used, block_table=table, max_seqlen_q=1,
-                           max_seqlen_k=512, num_splits=splits)))
+        cases.append((f"MLA decode paged 64 latent h{heads} splits {splits}", t(4, 1, heads, 576), pool,
+                      pool[..., :512], dict(params=AttnParams(576**-0.5, -1, 0), seqused_k=used, block_table=table,
+                                            max_seqlen_q=1, max_seqlen_k=512, num_splits=splits)))
     cache = t(2, 256, 1, 576, dtype=torch.float16)  # contiguous, fp16, two queries (speculative)
     cases.append(("MLA decode contiguous latent fp16 sq2", t(2, 2, 128, 576, dtype=torch.float16), cache,
                   cache[..., :512], dict(params=AttnParams(576**-0.5, -1, 0),

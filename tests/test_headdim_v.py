@@ -3,6 +3,12 @@
 MLA trains with q/k of 192 and v of 128. The reference already takes any v width (out and dv
 follow v); here the CPU tiles and the Triton kernels, forward and backward, against it by the
 tolerance rule, with sinks and a loss on the LSE for good measure.
+
+MLA decodes in absorbed form over one latent of 576 per token whose first 512 are the values:
+the CPU tiles take it forward and backward; the Triton kernel forward (its wide tile: q/k as 512
++ a tail of 64, the key tile serving as the value tile), with a clear error before anything runs
+when gradients may be needed. The last section tests that path in the interpreter, and at the
+real shape on a GPU.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn, stride_vn,
-                    tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn,
+                    stride_vn, tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                     window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
@@ -115,7 +115,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
             offs_t = tl.arange(0, HEAD_DIM_TAIL_PAD)  # [HEAD_DIM_TAIL_PAD]
             kt_ptrs = k_base + k_rows[:, None] + HEAD_DIM + offs_t[None, :]  # [BLOCK_N, HEAD_DIM_TAIL_PAD]
             if MASKED:
-                b_kt = tl.load(kt_ptrs, mask=(k_pos[:, None] < seqlen_k) & (offs_t[None, :] < HEAD_DIM_TAIL), other=0.0)
+                kt_mask = (k_pos[:, None] < seqlen_k) & (offs_t[None, :] < HEAD_DIM_TAIL)  # [BLOCK_N, TAIL_PAD]
+                b_kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
             elif HEAD_DIM_TAIL != HEAD_DIM_TAIL_PAD:
                 b_kt = tl.load(kt_ptrs, mask=offs_t[None, :] < HEAD_DIM_TAIL, other=0.0)
             else:
