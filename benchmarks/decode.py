@@ -11,6 +11,16 @@ note column says so). Every output is compared with an fp32 reference (``err``).
 ``read floor``: the same number of bytes read by the fastest plain streaming kernel
 (``common.read_floor``, graph-replayed), the least time any decoding kernel could take here.
 
+MLA (issue #18): DeepSeek's absorbed decoding, 128 query heads over one latent of 576 per token
+whose first 512 are the values (``v_cache = k_cache[..., :512]``, one storage), bf16, paged in
+FlashMLA's blocks of 64; batch 64 x 8k keys (and more without ``--quick``). µs, TB/s of latent
+read once and TFLOP/s (2·b·h·n·(576 + 512) FLOPs: 146 GFLOP over 604 MB at 64 x 8k, compute-bound
+on an H200). Beside it: the same attention in plain torch as an engine without a fused kernel
+runs it (two batched matmuls over the contiguous latent, softmax in fp32 between), SDPA's
+efficient and cuDNN backends on q (b, 128, 1, 576) against the latent and its first 512 columns
+expanded over the heads (no copy; a backend that refuses a value head dim of its own or 576 gets
+an n/a and its reason), and the latent's read floor.
+
 With ``--l2 read`` every implementation is timed with the L2 cleared by a read instead of
 do_bench's write of zeros (``common.bench``): the dirty lines the write leaves cost a
 kernel that reads less than the L2 holds an extra write-back. The default is do_bench's, the
@@ -29,6 +39,12 @@ IMPLS = ("tileattn", "tileattn·graph", "paged16", "paged16·graph", "paged256",
          "sdpa flash", "sdpa cudnn", "read floor")
 
 
+MLA_NHEADS, MLA_DIM, MLA_DIM_V, MLA_PAGE = 128, 576, 512, 64
+MLA_SCALE = 192**-0.5  # DeepSeek-V3's: the un-absorbed q/k head dim (128 + 64)
+MLA_IMPLS = ("mla paged64", "mla paged64·graph", "mla contiguous", "mla torch bmm", "mla sdpa efficient",
+             "mla sdpa cudnn", "mla read floor")
+
+
 def build_cases(args) -> list[dict]:
     if args.smoke:
         grid = [(b, n) for b in (1, 2) for n in (100, 300)]
@@ -40,7 +56,8 @@ def build_cases(args) -> list[dict]:
 
 
 def paged_copy(k_cache, v_cache, block_size: int):
-    """The same keys in a shuffled block pool: (k_pool, v_pool, block_table int32)."""
+    """The same keys in a shuffled block pool: (k_pool, v_pool, block_table int32); v_cache None
+    for one pool alone (MLA's latent): (pool, block_table)."""
     import torch
 
     batch, n = k_cache.shape[:2]
@@ -48,13 +65,13 @@ def paged_copy(k_cache, v_cache, block_size: int):
     pool = batch * nblocks + batch * nblocks // 8 + 1  # more blocks than needed, like a real pool
     table = torch.randperm(pool, device=k_cache.device)[: batch * nblocks].view(batch, nblocks).to(torch.int32)
     pools = []
-    for cache in (k_cache, v_cache):
+    for cache in (k_cache,) if v_cache is None else (k_cache, v_cache):
         p = torch.full((pool, block_size, *cache.shape[2:]), float("nan"), dtype=cache.dtype, device=cache.device)
         padded = torch.zeros((batch, nblocks * block_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
         padded[:, :n] = cache
         p[table.long().flatten()] = padded.view(batch * nblocks, block_size, *cache.shape[2:])
         pools.append(p)
-    return pools[0], pools[1], table
+    return (*pools, table)
 
 
 def reference(q, k_cache, v_cache):
@@ -95,6 +112,124 @@ def sdpa_fn(backend_name: str, q, k_cache, v_cache):
             return F.scaled_dot_product_attention(qt, kr, vr).transpose(1, 2)
 
     return repeated, f"K/V repeated ×{NHEADS // NHEADS_K} (enable_gqa failed: {err[:60]})"
+
+
+def build_mla_cases(args) -> list[dict]:
+    if args.smoke:
+        grid = [(1, 100), (2, 300)]
+    elif args.quick:
+        grid = [(64, 8192)]
+    else:
+        grid = [(1, 32768), (16, 8192), (64, 8192)]
+    return [dict(batch=b, kv_len=n, kv_bytes=b * n * MLA_DIM * 2,
+                 flops=2.0 * b * MLA_NHEADS * n * (MLA_DIM + MLA_DIM_V)) for b, n in grid]
+
+
+def mla_reference(q, latent):
+    """fp32 softmax(scale q latentᵀ) latent[..., :512] per sequence: q (b, 1, 128, 576), latent (b, n, 1, 576)."""
+    import torch
+
+    out = torch.empty(q.shape[:-1] + (MLA_DIM_V,), dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        kb = latent[b, :, 0].float()  # [N, 576]
+        p = torch.softmax(q[b, 0].float() @ kb.T * MLA_SCALE, dim=-1)  # [H, N]
+        out[b, 0] = p @ kb[:, :MLA_DIM_V]
+    return out
+
+
+def mla_bmm(q, latent):
+    """Absorbed MLA in plain torch: scores = q latentᵀ as one batched matmul, fp32 softmax, times the
+    latent's first 512 columns (q's dtype for both products)."""
+    import torch
+
+    qb, kb = q[:, 0], latent[:, :, 0]  # [B, H, 576], [B, N, 576]
+    p = torch.softmax(torch.bmm(qb, kb.transpose(1, 2)).float() * MLA_SCALE, dim=-1).to(q.dtype)
+    return torch.bmm(p, kb[..., :MLA_DIM_V])[:, None]
+
+
+def mla_sdpa(backend_name: str, q, latent):
+    """SDPA on q (B, 128, 1, 576) against the latent expanded over the heads (stride 0, no copy)
+    and its first 512 columns as the values."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    qt = q.transpose(1, 2)
+    kt = latent.transpose(1, 2).expand(-1, MLA_NHEADS, -1, -1)
+    vt = kt[..., :MLA_DIM_V]
+
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, scale=MLA_SCALE).transpose(1, 2)
+
+    return run
+
+
+def run_mla_case(case: dict, args, dtype) -> list[dict]:
+    import torch
+
+    import tileattn
+
+    dev, (b, n) = args.device, (case["batch"], case["kv_len"])
+    g = torch.Generator(device=dev).manual_seed(b * 7919 + n)
+    q = torch.randn(b, 1, MLA_NHEADS, MLA_DIM, device=dev, dtype=dtype, generator=g)
+    latent = torch.randn(b, n, 1, MLA_DIM, device=dev, dtype=dtype, generator=g)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    ref = mla_reference(q, latent)
+    rows = []
+
+    def record(name, fn, note="", captured=None):
+        out, err, ms = None, note, None
+        if fn is not None:
+            out, err = common.attempt(fn)
+            out = captured if captured is not None else out
+        if out is not None:
+            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3, l2=args.l2))
+        bw = common.gbs(case["kv_bytes"], ms)
+        diff = None if out is None else (out.float() - ref).abs().max().item()
+        if diff is not None and not diff < float("inf"):
+            err = f"WRONG OUTPUT: NaN or inf (max |out - ref| = {diff}); {err or note}"
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, l2=args.l2,
+                         us=ms and ms * 1e3, gbs=bw, pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS,
+                         tflops=common.tflops(case["flops"], ms), err=diff, note=err or note))
+
+    def tile(cache, table):
+        return lambda: tileattn.flash_attn_with_kvcache(q, cache, cache[..., :MLA_DIM_V], cache_seqlens=seqlens,
+                                                        block_table=table, softmax_scale=MLA_SCALE, causal=True)
+
+    pool, table = paged_copy(latent, None, MLA_PAGE)
+    fn = tile(pool, table)
+    record("mla paged64", fn)
+    graph, err = common.attempt(lambda: common.cuda_graph(fn))
+    replay, captured = graph if graph is not None else (None, None)
+    record("mla paged64·graph", replay, err, captured)
+    del pool, table, fn, graph, replay, captured
+    common.free_cuda()
+    record("mla contiguous", tile(latent, None))
+    record("mla torch bmm", lambda: mla_bmm(q, latent))
+    for backend in ("efficient", "cudnn"):
+        record(f"mla sdpa {backend}", mla_sdpa(backend, q, latent))
+    floor, err = common.attempt(lambda: common.read_floor(case["kv_bytes"], dev, args.l2))
+    if floor is not None:
+        bw = common.gbs(case["kv_bytes"], floor)
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl="mla read floor", l2=args.l2,
+                         us=floor * 1e3, gbs=bw, pct_hbm=100 * bw / common.HBM_PEAK_GBS,
+                         tflops=common.tflops(case["flops"], floor), err=None, note=err))
+    common.free_cuda()
+    return rows
+
+
+def mla_tables(cases, rows) -> None:
+    by = {(r["batch"], r["kv_len"], r["impl"]): r for r in rows}
+    body = []
+    for c in cases:
+        key = [c["batch"], c["kv_len"], common.fmt(c["kv_bytes"] / 2**20), common.fmt(c["flops"] / 1e9)]
+        cells = [by.get((c["batch"], c["kv_len"], name)) for name in MLA_IMPLS]
+        body.append(key + [f"{common.fmt(r['us'])} ({common.fmt(r['gbs'] and r['gbs'] / 1000)}; "
+                           f"{common.fmt(r['tflops'])})" if r and r["us"] else "–" for r in cells])
+    common.print_table("MLA absorbed decoding, 128 heads over the 576 latent (v = its first 512): "
+                       "µs (TB/s of latent read once; TFLOP/s)",
+                       ["batch", "kv len", "latent MB", "GFLOP", *MLA_IMPLS], body)
 
 
 def run_case(case: dict, args, dtype) -> list[dict]:
@@ -199,6 +334,11 @@ def main() -> None:
         common.print_table("decode cases", ["batch", "kv len", "K+V MB", "µs at 4.8 TB/s"],
                            [[c["batch"], c["kv_len"], common.fmt(c["kv_bytes"] / 2**20),
                              common.fmt(c["kv_bytes"] / (common.HBM_PEAK_GBS * 1e3))] for c in cases])
+        common.print_table("MLA decode cases", ["batch", "kv len", "latent MB", "GFLOP", "µs at 4.8 TB/s",
+                                                "µs at 989 TFLOP/s"],
+                           [[c["batch"], c["kv_len"], common.fmt(c["kv_bytes"] / 2**20), common.fmt(c["flops"] / 1e9),
+                             common.fmt(c["kv_bytes"] / (common.HBM_PEAK_GBS * 1e3)),
+                             common.fmt(c["flops"] / 989e6)] for c in build_mla_cases(args)])
         return
     import torch
 
@@ -211,6 +351,17 @@ def main() -> None:
             f"{r['impl']} {common.fmt(r['us'])}µs" for r in rows[-len(IMPLS):]), flush=True)
         common.write_csv(f"{args.out}/decode.csv", rows, env, quiet=True)
     tables(cases, rows)
+    mla_cases = build_mla_cases(args)
+    mla_rows = []
+    for c in mla_cases:
+        case_rows = run_mla_case(c, args, dtype)
+        mla_rows += case_rows
+        print(f"  MLA batch {c['batch']} kv {c['kv_len']}: " + ", ".join(
+            f"{r['impl']} {common.fmt(r['us'])}µs" for r in case_rows), flush=True)
+        common.write_csv(f"{args.out}/decode.csv", rows + mla_rows, env, quiet=True)
+    mla_tables(mla_cases, mla_rows)
+    common.print_notes(mla_rows)
+    rows += mla_rows
     launch = common.read_floor(4096, args.device, args.l2)
     if launch is not None:
         print(f"launch floor: a one-kernel CUDA graph reading 4 KB, timed the same way: {common.fmt(launch * 1e3)} µs")

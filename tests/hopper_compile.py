@@ -9,7 +9,9 @@ every kernel launch instead of running it, and compiles each recorded launch, fo
 configuration the autotuner could pick, to a Hopper cubin with the ptxas that Triton ships.
 
 Each line also gives the registers per thread and the local-memory stack (register spills)
-that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent.
+that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent. The
+forward's wide tile (head dims above 256, MLA's absorbed decoding) was chosen as the largest that
+compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here.
 
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
@@ -175,6 +177,47 @@ def forward_cases():
         params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 192], dtype=torch.int32),
         block_table=table, max_seqlen_q=1, max_seqlen_k=192, num_splits=4, k_descale=torch.rand(4, 8),
         v_descale=torch.rand(4, 8))))
+    return cases + mla_cases(t, g)
+
+
+def mla_cases(t, g):
+    """Head dims above 256 (the wide tile): MLA's absorbed decoding, one latent of 576 per token whose
+    first 512 are the values (v a view of k: V_IS_K), paged in FlashMLA's blocks of 64 or contiguous,
+    128 heads over one (PACK_GQA, two 64-row programs) or 16 (the 4-warp tile), split or not; a
+    separate v of 512; an FP8 latent; tails other than 64; a causal prefill."""
+    cases = []
+    pool = t(64, 64, 1, 576)
+    table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
+    used = torch.tensor([5, 60, 300, 512], dtype=torch.int32)
+    for heads, splits in ((128, 3), (128, 1), (16, 2)):
+        cases.append((f"MLA decode paged 64 latent h{heads} splits {splits}", t(4, 1, heads, 576), pool,
+                      pool[..., :512], dict(params=AttnParams(576**-0.5, -1, 0), seqused_k=used, block_table=table,
+                                            max_seqlen_q=1, max_seqlen_k=512, num_splits=splits)))
+    cache = t(2, 256, 1, 576, dtype=torch.float16)  # contiguous, fp16, two queries (speculative)
+    cases.append(("MLA decode contiguous latent fp16 sq2", t(2, 2, 128, 576, dtype=torch.float16), cache,
+                  cache[..., :512], dict(params=AttnParams(576**-0.5, -1, 0),
+                                         seqused_k=torch.tensor([3, 256], dtype=torch.int32), max_seqlen_q=2,
+                                         max_seqlen_k=256, num_splits=2)))
+    cases.append(("MLA decode paged 64 separate v512 h128 split", t(4, 1, 128, 576), pool, t(64, 64, 1, 512),
+                  dict(params=AttnParams(576**-0.5, -1, 0), seqused_k=used, block_table=table, max_seqlen_q=1,
+                       max_seqlen_k=512, num_splits=3)))
+    fp8 = pool.to(torch.float8_e4m3fn)
+    descale = torch.rand(4, 1)
+    cases.append(("MLA decode fp8 latent paged 64 h128 split", t(4, 1, 128, 576), fp8, fp8[..., :512], dict(
+        params=AttnParams(576**-0.5, -1, 0), seqused_k=used, block_table=table, max_seqlen_q=1, max_seqlen_k=512,
+        num_splits=3, k_descale=descale, v_descale=descale)))
+    for d, dv, heads in ((320, 256, 32), (384, 64, 16)):  # tails of 64 and 128 (256 + 64, 256 + 128)
+        kc = t(2, 256, 1, d)
+        cases.append((f"wide decode d{d} v{dv} h{heads}", t(2, 1, heads, d), kc, kc[..., :dv] if dv == 256 else
+                      t(2, 256, 1, dv), dict(params=AttnParams(d**-0.5, -1, 0), num_splits=2)))
+    q = t(69, 16, 576)  # a mixed batch: decoding rows split, a long sequence's rows (8 warps) not
+    cases.append(("MLA mixed batch paged varlen h16 split", q, pool, pool[..., :512], dict(
+        params=AttnParams(576**-0.5, -1, 0), cu_seqlens_q=torch.tensor([0, 1, 5, 69, 69], dtype=torch.int32),
+        block_table=table, seqused_k=torch.tensor([100, 40, 190, 7], dtype=torch.int32), max_seqlen_q=64,
+        max_seqlen_k=512, num_splits=3)))
+    lat = t(2, 300, 1, 576)
+    cases.append(("MLA prefill causal latent h8", t(2, 300, 8, 576), lat, lat[..., :512],
+                  dict(params=AttnParams(576**-0.5, -1, 0))))
     return cases
 
 
@@ -271,7 +314,7 @@ def record(fn, *args, **kwargs):
 def forward_variants(launches, q):
     """Each prefill launch once per config the autotuner keeps; decode and combine launches as made."""
     for fn, args, kwargs in launches:
-        if fn is fwd_launcher._attn_fwd_kernel and kwargs.get("BLOCK_M", 0) >= 64:
+        if fn is fwd_launcher._attn_fwd_kernel and kwargs.get("BLOCK_M", 0) >= 64 and not wide(kwargs):
             configs = fwd_launcher._prune_configs(fwd_launcher._prefill_configs(), {"Q": q},
                                                   HEAD_DIM_PAD=kwargs["HEAD_DIM_PAD"],
                                                   HEAD_DIM_V_PAD=kwargs["HEAD_DIM_V_PAD"])
@@ -279,6 +322,18 @@ def forward_variants(launches, q):
                 yield fn, args, {**kwargs, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         else:
             yield fn, args, kwargs
+
+
+def wide(meta) -> bool:
+    """Whether a forward launch takes the wide tile (fixed, never autotuned)."""
+    return fwd_launcher.is_wide(meta["HEAD_DIM_PAD"], meta.get("HEAD_DIM_TAIL_PAD", 0), meta["HEAD_DIM_V_PAD"])
+
+
+def must_not_spill(fn, meta) -> bool:
+    """The wide tile's 16-bit variants and the combines after them: chosen to compile without spills."""
+    if fn is fwd_launcher._combine_kernel:
+        return meta["HEAD_DIM_PAD"] > fwd_launcher.TAIL_ABOVE
+    return fn is fwd_launcher._attn_fwd_kernel and wide(meta) and meta["DOT_DTYPE"] != triton.language.float32
 
 
 def hopper_cases():
@@ -429,6 +484,8 @@ def main() -> int:
             stack = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
             if gluon and stack > GLUON_STACK_LIMIT:  # the warp-specialised kernel's register split must hold
                 verdict = f"FAIL spills ({usage})"
+            elif stack and must_not_spill(fn, kwargs):
+                verdict = f"FAIL the wide tile spills ({usage})"
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail

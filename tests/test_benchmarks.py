@@ -41,11 +41,14 @@ def errors(rows: list[dict]) -> list[float]:
 @pytest.mark.parametrize("script", ["prefill.py", "decode.py"])
 def test_benchmark_outputs_agree(tmp_path, script):
     rows = run_smoke(script, tmp_path)
-    tile_rows = [r for r in rows if r["impl"].startswith(("tileattn", "paged"))]
+    tile_rows = [r for r in rows if r["impl"].startswith(("tileattn", "paged", "mla paged", "mla contiguous"))]
     assert tile_rows and all(r["note"] == "" or "CUDA" in r["note"] for r in tile_rows), tile_rows
     errs = errors(rows)
     assert len(errs) > len(tile_rows) // 2, "too few outputs were compared"
     assert max(errs) < FP32_AGREEMENT, f"{script}: outputs differ by {max(errs):.3e}"
+    if script == "decode.py":  # MLA's absorbed decoding (576 latent, 128 heads): tileattn and plain torch
+        mla = {r["impl"] for r in rows if r["impl"].startswith("mla") and r.get("err")}
+        assert {"mla paged64", "mla contiguous", "mla torch bmm"} <= mla, mla
 
 
 def test_window_benchmark_times_every_window(tmp_path):

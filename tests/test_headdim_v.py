@@ -3,6 +3,12 @@
 MLA trains with q/k of 192 and v of 128. The reference already takes any v width (out and dv
 follow v); here the CPU tiles and the Triton kernels, forward and backward, against it by the
 tolerance rule, with sinks and a loss on the LSE for good measure.
+
+MLA decodes in absorbed form over one latent of 576 per token whose first 512 are the values:
+the CPU tiles take it forward and backward; the Triton kernel forward (its wide tile: q/k as 512
++ a tail of 64, the key tile serving as the value tile), with a clear error before anything runs
+when gradients may be needed. The last section tests that path in the interpreter, and at the
+real shape on a GPU.
 """
 
 from __future__ import annotations
@@ -221,3 +227,225 @@ def test_latent_cache_values_are_a_view_of_the_keys(device):
         assert torch.equal(latent[b, n - 1], new[b, 0])
         ref, _ = R.attention_naive(*np64(q[b:b + 1], latent[b:b + 1, :n], latent[b:b + 1, :n, :, :dv]), causal=True)
         np.testing.assert_allclose(out[b:b + 1].cpu().numpy(), ref, atol=2e-5)
+
+
+# ------------------------------------------------------------ head dims above 256 on the Triton path
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    """The Triton kernels: on the GPU, or on CPU tensors in Triton's interpreter; the launcher's
+    plans forgotten first, so that each test can read the plan its call made."""
+    from tileattn.gpu import attention as launch
+
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    launch.clear_plans()
+    return launch
+
+
+def latent_pool(gen, lengths, page, width, dtype, spare=3):
+    """Keys of width ``width`` for sequences of ``lengths`` in a pool of pages drawn from a random
+    permutation, ``spare`` pages more than needed, every unused slot NaN; returns (pool, table,
+    tokens (batch, longest, 1, width))."""
+    pages = [-(-n // page) for n in lengths]
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    order = torch.randperm(sum(pages) + spare, generator=gen).tolist()
+    pool = torch.full((sum(pages) + spare, page, 1, width), float("nan"))
+    tokens = rand(gen, len(lengths), max(lengths), 1, width)
+    for b, n in enumerate(lengths):
+        for p in range(pages[b]):
+            table[b, p] = block = order.pop()
+            rows = slice(p * page, min(n, (p + 1) * page))
+            pool[block, :rows.stop - rows.start] = tokens[b, rows]
+    return pool.to(dtype), table, tokens.to(dtype)
+
+
+def wide_flags(launch):
+    """(HEAD_DIM, HEAD_DIM_TAIL, V_IS_K, SINGLE_LOOP, PACK_GQA, SPLIT_KV) of each plan made."""
+    return [tuple(p.flags[f] for f in ("HEAD_DIM", "HEAD_DIM_TAIL", "V_IS_K", "SINGLE_LOOP", "PACK_GQA", "SPLIT_KV"))
+            for p in launch._PLANS.values()]
+
+
+def check_per_sequence(out, q, keys, values, lengths, causal=True, lse=None, softmax_scale=None):
+    """Each sequence b of ``out`` (and ``lse``) against float64 attention over its first
+    lengths[b] keys, with plain torch in q's dtype as the budget."""
+    for b, n in enumerate(lengths):
+        qb, kb, vb = q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n]
+        ref_o, ref_lse = R.attention_naive(*np64(qb, kb, vb), causal=causal, softmax_scale=softmax_scale)
+        plain_o, plain_lse = plain_attention(qb.cpu(), kb.cpu(), vb.cpu(), causal=causal, softmax_scale=softmax_scale)
+        assert_within(f"out[{b}]", out[b:b + 1], plain_o, ref_o)
+        if lse is not None:
+            assert_within(f"lse[{b}]", lse[b:b + 1], plain_lse, ref_lse)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("nheads,seqlen_q", [(16, 1), (128, 1), (16, 2)])
+def test_mla_absorbed_decoding_on_the_triton_path(triton_path, paged, num_splits, nheads, seqlen_q):
+    """MLA's absorbed decoding on the Triton kernel: one latent of 576 per token whose first 512
+    are the values (v_cache a view of k_cache: the key tile serves as the value tile), bf16,
+    paged (blocks of 64 from a permuted pool, unused slots NaN) or contiguous (NaN past each
+    length), all heads over one latent head (PACK_GQA: 128 heads are two 64-row programs),
+    split or not, causal with one query or two (speculative: bottom-right aligned)."""
+    gen = torch.Generator().manual_seed(30 + nheads + num_splits + seqlen_q)
+    lengths = [70, 3, 129]
+    q = rand(gen, 3, seqlen_q, nheads, 576, dtype=torch.bfloat16)
+    if paged:
+        cache, table, tokens = latent_pool(gen, lengths, 64, 576, torch.bfloat16)
+    else:
+        tokens = rand(gen, 3, 130, 1, 576, dtype=torch.bfloat16)
+        cache, table = tokens.clone(), None
+        for b, n in enumerate(lengths):
+            cache[b, n:] = float("nan")
+    cache = cache.to(DEVICE)
+    out, lse = tileattn.flash_attn_with_kvcache(
+        q.to(DEVICE), cache, cache[..., :512], cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+        block_table=None if table is None else table.to(DEVICE), causal=True, num_splits=num_splits,
+        return_softmax_lse=True)
+    assert out.shape == (3, seqlen_q, nheads, 512)
+    assert wide_flags(triton_path) == [(512, 64, True, True, True, num_splits > 1)]
+    check_per_sequence(out, q, tokens, tokens[..., :512], lengths, lse=lse)
+
+
+@pytest.mark.parametrize("d,dv,share,dtype", [
+    (576, 512, False, torch.float16),  # a v cache of its own: two tiles per key block
+    (384, 256, True, torch.bfloat16),  # 256 + a tail of 128; v the main part of k
+    (300, 40, False, torch.float32),  # 256 + a tail of 44 (padded to 64: the tail's columns masked)
+    (64, 512, False, torch.bfloat16),  # only v wide
+])
+def test_wide_head_dims_decode_on_the_triton_path(triton_path, d, dv, share, dtype):
+    """Other wide head dims: tails other than 64, a separate v, GQA 4 heads over 2 KV heads, three
+    queries per sequence (causal), split keys, a contiguous cache with NaN past each length."""
+    gen = torch.Generator().manual_seed(d + dv)
+    lengths = [45, 7]
+    q = rand(gen, 2, 3, 4, d, dtype=dtype)
+    k = rand(gen, 2, 48, 2, d, dtype=dtype)
+    v = k[..., :dv] if share else rand(gen, 2, 48, 2, dv, dtype=dtype)
+    k_cache = k.clone().to(DEVICE)
+    v_cache = k_cache[..., :dv] if share else v.clone().to(DEVICE)
+    for b, n in enumerate(lengths):
+        k_cache[b, n:] = float("nan")
+        v_cache[b, n:] = float("nan")
+    out = tileattn.flash_attn_with_kvcache(q.to(DEVICE), k_cache, v_cache, causal=True, num_splits=2,
+                                           cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    main = {576: 512, 384: 256, 300: 256, 64: 64}[d]  # the largest power of two below, above 256
+    assert wide_flags(triton_path) == [(main, d - main, share, True, True, True)]
+    check_per_sequence(out, q, k, v, lengths)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,nheads", [(20, 45, 2), (70, 45, 2), (1, 33, 128)])
+def test_wide_prefill_on_the_triton_path(triton_path, seqlen_q, seqlen_k, nheads):
+    """The latent's 576/512 through flash_attn_func without gradients: queries packed per head group
+    (20 x 2 rows) or not (70 queries, the first 25 of which see no key: out 0, lse -inf), causal."""
+    gen = torch.Generator().manual_seed(seqlen_q + nheads)
+    q = rand(gen, 2, seqlen_q, nheads, 576, dtype=torch.bfloat16)
+    latent = rand(gen, 2, seqlen_k, 1, 576, dtype=torch.bfloat16)
+    out, lse = tileattn.flash_attn_varlen_func(
+        q.flatten(0, 1).to(DEVICE), latent.flatten(0, 1).to(DEVICE), latent.flatten(0, 1).to(DEVICE)[..., :512],
+        torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, seqlen_k, 2 * seqlen_k], dtype=torch.int32, device=DEVICE), seqlen_q, seqlen_k,
+        softmax_scale=0.06, causal=True, return_softmax_lse=True)
+    out, lse = out.view(2, seqlen_q, nheads, 512), lse.view(nheads, 2, seqlen_q).transpose(0, 1)
+    (flags,) = wide_flags(triton_path)
+    assert flags[:4] == (512, 64, True, True)
+    check_per_sequence(out, q, latent, latent[..., :512], [seqlen_k] * 2, lse=lse, softmax_scale=0.06)
+    if seqlen_q > seqlen_k:
+        assert torch.isneginf(lse[:, :, :seqlen_q - seqlen_k]).all()
+
+
+def test_mla_mixed_batch_on_the_triton_path(triton_path):
+    """A serving step over the paged latent in one flash_attn_varlen_func call: decoding rows, a
+    speculative row of 3 and a prefill chunk of 11 queries (8 heads over the latent: more than the
+    decode tile's 64 rows), split; the chunk's rows are a second launch of the wide tile."""
+    gen = torch.Generator().manual_seed(41)
+    lens_q, lens_k = [1, 3, 11, 1], [60, 17, 75, 1]
+    pool, table, tokens = latent_pool(gen, lens_k, 16, 576, torch.bfloat16)
+    q = rand(gen, sum(lens_q), 8, 576, dtype=torch.bfloat16)
+    cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    pool = pool.to(DEVICE)
+    out = tileattn.flash_attn_varlen_func(q.to(DEVICE), pool, pool[..., :512], cu_q.to(DEVICE), None, max(lens_q),
+                                          max(lens_k), causal=True, block_table=table.to(DEVICE), num_splits=3,
+                                          seqused_k=torch.tensor(lens_k, dtype=torch.int32, device=DEVICE))
+    plans = list(triton_path._PLANS.values())
+    assert len(plans) == 1 and plans[0].long is not None and plans[0].flags["V_IS_K"]
+    for b in range(len(lens_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        check_per_sequence(out[None, rows], q[None, rows], tokens[b:b + 1], tokens[b:b + 1, ..., :512], [lens_k[b]])
+
+
+@pytest.mark.parametrize("needs_grad", ["q", "v", "sink", "varlen"])
+def test_gradients_above_256_raise_before_any_kernel(triton_path, monkeypatch, needs_grad):
+    """The Triton backward stops at head dim 256: a call that may need gradients with a wider q/k or
+    v raises a clear NotImplementedError before any kernel runs; without gradients it computes."""
+    import tileattn.gpu
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (rand(gen, 1, 5, 2, d).to(DEVICE) for d in (576, 576, 512))
+    sink = rand(gen, 2).to(DEVICE)
+    {"q": q, "v": v, "sink": sink, "varlen": k}[needs_grad].requires_grad_(True)
+    ran = []
+    with monkeypatch.context() as patch, pytest.raises(NotImplementedError, match="up to 256, got q/k 576 and v 512"):
+        patch.setattr(tileattn.gpu, "attn_fwd", lambda *args, **kwargs: ran.append(1))
+        if needs_grad == "varlen":
+            cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+            tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5)
+        else:
+            tileattn.flash_attn_func(q, k, v, learnable_sink=sink)
+    assert not ran
+    with torch.no_grad():
+        out = tileattn.flash_attn_func(q, k, v, learnable_sink=sink)
+    plain_o, _ = plain_attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(),
+                                 learnable_sink=sink.detach().cpu())
+    ref_o, _ = R.attention_naive(*np64(q, k, v), learnable_sink=sink.detach().cpu().double().numpy())
+    assert_within("no_grad out", out, plain_o, ref_o)
+
+
+def test_head_dims_past_the_limits_still_raise_on_the_triton_path(triton_path):
+    q = torch.zeros(1, 3, 2, 600, device=DEVICE)
+    with pytest.raises(ValueError, match="between 1 and 576 on the triton path"):
+        tileattn.flash_attn_func(q, q, q[..., :8])
+    q, k = torch.zeros(1, 3, 2, 576, device=DEVICE), torch.zeros(1, 3, 1, 576, device=DEVICE)
+    with pytest.raises(ValueError, match="between 1 and 512 on the triton path"):
+        tileattn.flash_attn_with_kvcache(q, k, torch.zeros(1, 3, 1, 520, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_decoding_at_the_real_shape_on_cuda(fp8):
+    """DeepSeek's absorbed decoding as serving runs it: batch 64, up to 8k keys of the 576 latent
+    (lengths drawn, one full), 128 heads, bf16 queries, blocks of 64 from a permuted pool, the split
+    count left to the launcher; v_cache = k_cache[..., :512]. Four sequences against float64 by the
+    tolerance rule (an FP8 latent: against the dequantised latent); every output finite."""
+    gen = torch.Generator().manual_seed(64)
+    batch, nheads, page = 64, 128, 64
+    lengths = torch.randint(1, 8193, (batch,), generator=gen)
+    lengths[0], lengths[1] = 8192, 1
+    pool, table, tokens = latent_pool(gen, lengths.tolist(), page, 576, torch.bfloat16, spare=16)
+    kwargs = {}
+    if fp8:  # one descale per sequence (keys and values alike: one latent), no saturation
+        descale = tokens.float().nan_to_num().abs().amax(dim=(1, 2, 3)).view(batch, 1) / 400
+        stored = torch.full(pool.shape, float("nan")).to(torch.float8_e4m3fn)
+        for b in range(batch):
+            blocks = table[b, :-(-int(lengths[b]) // page)].long()
+            stored[blocks] = (pool[blocks].float() / descale[b]).to(torch.float8_e4m3fn)
+        pool = stored
+        kwargs = dict(k_descale=descale.cuda())
+        kwargs["v_descale"] = kwargs["k_descale"]
+    q = rand(gen, batch, 1, nheads, 576, dtype=torch.bfloat16)
+    cache = pool.cuda()
+    out = tileattn.flash_attn_with_kvcache(q.cuda(), cache, cache[..., :512], cache_seqlens=lengths.int().cuda(),
+                                           block_table=table.cuda(), causal=True, **kwargs).cpu()
+    assert torch.isfinite(out).all()
+    for b in (0, 1, 17, 40):
+        n = int(lengths[b])
+        if fp8:
+            blocks = table[b, :-(-n // page)].long()
+            keys = stored[blocks].flatten(0, 1)[None, :n].double() * float(descale[b])
+        else:
+            keys = tokens[b:b + 1, :n].double()
+        ref_o, _ = R.attention_naive(q[b:b + 1].double().numpy(), keys.numpy(), keys[..., :512].numpy())
+        plain_o, _ = plain_attention(q[b:b + 1], keys.to(torch.bfloat16), keys[..., :512].to(torch.bfloat16))
+        assert_within(f"seq {b} ({n} keys) out", out[b:b + 1], plain_o, ref_o)

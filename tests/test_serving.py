@@ -400,27 +400,34 @@ def test_fp8_bad_input_raises(change, error, words):
         tileattn.flash_attn_with_kvcache(**change(args))
 
 
-def test_fp8_latent_cache_shares_the_key_descale(device):
+@pytest.mark.parametrize("d,dv", [(64, 32), (576, 512)])
+def test_fp8_latent_cache_shares_the_key_descale(device, d, dv):
     """MLA's one latent cache in FP8: v_cache is k_cache[..., :dv], so the values are the keys'
     stored bytes at k_descale's scale. With v_descale=k_descale the output equals attention over
     the dequantised latent; a separate v_descale tensor is refused before anything runs (it
-    would read every value at another scale)."""
-    gen = torch.Generator().manual_seed(77)
-    batch, n, d, dv, nheads = 2, 40, 64, 32, 4
+    would read every value at another scale). At 576/512 (the absorbed latent) the Triton path
+    takes its wide tile: q/k's 512 + a tail of 64, the key tile serving as the value tile. q's
+    largest entries (4e4) sit in its last columns, the tail at 576: the power of two that puts q
+    into fp16's range must count them."""
+    gen = torch.Generator().manual_seed(77 + d)
+    batch, n, nheads = 2, 40, 4
     real, descale, stored = fp8_cache(batch, n, 1, d, gen)
     k_cache = stored.to(device)
     v_cache = k_cache[..., :dv]
     q = torch.randn(batch, 1, nheads, d, generator=gen).to(torch.bfloat16)
+    q[:, 0, 1, -3:] = torch.tensor([3e4, -4e4, 0.0])
     lens = torch.tensor([n, 17], dtype=torch.int32)
-    args = dict(cache_seqlens=lens.to(device), k_descale=descale.to(device))
+    args = dict(cache_seqlens=lens.to(device), k_descale=descale.to(device), softmax_scale=d**-0.5 / 4e4)
     with pytest.raises(ValueError, match="shares k_cache's storage"):
         tileattn.flash_attn_with_kvcache(q.to(device), k_cache, v_cache, v_descale=descale.clone().to(device), **args)
     out = tileattn.flash_attn_with_kvcache(q.to(device), k_cache, v_cache, v_descale=args["k_descale"], **args).cpu()
     latent = dequantised(stored, descale)  # float64 (batch, n, 1, d)
     for b in range(batch):
         keys = latent[b:b + 1, :int(lens[b])]
-        ref_o, _ = R.attention_naive(q[b:b + 1].double().numpy(), keys.numpy(), keys[..., :dv].numpy())
-        plain_o, _ = plain_attention(q[b:b + 1], keys.to(torch.bfloat16), keys[..., :dv].to(torch.bfloat16))
+        ref_o, _ = R.attention_naive(q[b:b + 1].double().numpy(), keys.numpy(), keys[..., :dv].numpy(),
+                                     softmax_scale=args["softmax_scale"])
+        plain_o, _ = plain_attention(q[b:b + 1], keys.to(torch.bfloat16), keys[..., :dv].to(torch.bfloat16),
+                                     softmax_scale=args["softmax_scale"])
         assert_within(f"seq {b} out", out[b:b + 1], plain_o, ref_o)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
 
 from tileattn import reference
 import tileattn.gpu.attention as launch
@@ -225,11 +226,93 @@ def test_decode_tile_fits_and_keeps_a_pipeline(block_m, page_size):
     pages of 64 keys or more hold whole tiles (one table lookup per tile)."""
     for head_dim_pad in (16, 32, 64, 128, 256):
         for elem, kv_elem in ((2, None), (4, None), (2, 1)):  # (2, 1): bf16 q over an FP8 cache
-            block_n, stages = launch._decode_tile(block_m, page_size, head_dim_pad, elem, kv_elem)
-            assert launch._smem_bytes(block_m, block_n, stages, head_dim_pad, elem, kv_elem) <= launch.SMEM_BUDGET
+            block_n, stages = launch._decode_tile(block_m, page_size, head_dim_pad, elem, kv_elem_size=kv_elem)
+            assert launch._smem_bytes(block_m, block_n, stages, head_dim_pad, elem,
+                                      kv_elem_size=kv_elem) <= launch.SMEM_BUDGET
             assert stages >= 2 and 16 <= block_n <= launch.DECODE_BLOCK_N
             if page_size >= launch.DECODE_BLOCK_N_WHOLE_PAGES:
                 assert page_size % block_n == 0
+
+
+def _plan(q, k, v, **kwargs):
+    """The launcher's plan for these tensors (nothing runs), causal."""
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    return launch.plan_fwd(q, k, v, out, lse, params=_params(q.shape[-1], causal=True), **kwargs)
+
+
+def _cache_call(d, dv, nheads, nheads_k, seqlen_q, page, dtype, share=False, fp8=False):
+    """(q, k_cache, v_cache, launcher kwargs) of a decoding call: a contiguous cache (page 0) or a
+    pool of pages; v_cache a view of k_cache's first dv columns when ``share``."""
+    gen = torch.Generator().manual_seed(d + dv)
+    q = _randn(gen, 2, seqlen_q, nheads, d, dtype=dtype)
+    k = _randn(gen, 8 if page else 2, page or 200, nheads_k, d, dtype=dtype)
+    v = k[..., :dv] if share else _randn(gen, *k.shape[:-1], dv, dtype=dtype)
+    kwargs = dict(seqused_k=torch.tensor([5, 200], dtype=torch.int32, device=DEVICE), max_seqlen_q=seqlen_q,
+                  max_seqlen_k=200, num_splits=2)
+    if page:
+        kwargs["block_table"] = torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4)
+    if fp8:
+        k = k.to(torch.float8_e4m3fn)
+        v = k[..., :dv] if share else v.to(torch.float8_e4m3fn)
+        kwargs["k_descale"] = torch.ones(2, nheads_k, device=DEVICE)
+    return q, k, v, kwargs
+
+
+@pytest.mark.parametrize("d,dv,nheads,nheads_k,seqlen_q,page,dtype,share", [
+    (128, 128, 32, 8, 1, 16, torch.bfloat16, True),  # v is k itself: no V_IS_K below the wide tile
+    (64, 64, 8, 8, 3, 0, torch.float16, False),
+    (256, 256, 16, 1, 2, 0, torch.float16, True),
+    (192, 128, 16, 16, 1, 64, torch.bfloat16, True),  # MLA training's widths, v a view of k
+    (256, 256, 4, 1, 1, 256, torch.float32, False),
+])
+def test_head_dims_up_to_256_keep_their_kernels(d, dv, nheads, nheads_k, seqlen_q, page, dtype, share):
+    """Below the wide tile nothing changed: no tail (HEAD_DIM is q/k's head dim), the key tile is
+    never the value tile (not even when v is k), three key ranges, and the decode tile is what
+    ``_decode_tile`` gives for the wider of the padded head dims with 4 warps. Those flags' values
+    are the kernel's defaults, which compile to the kernel as it was before them (sm_90 SASS
+    compared for every variant of tests/hopper_compile.py, docs/perf-notes.md)."""
+    import inspect
+
+    q, k, v, kwargs = _cache_call(d, dv, nheads, nheads_k, seqlen_q, page, dtype, share)
+    plan = _plan(q, k, v, **kwargs)
+    defaults = inspect.signature(launch._attn_fwd_kernel.fn).parameters
+    for flag, value in (("HEAD_DIM_TAIL", 0), ("HEAD_DIM_TAIL_PAD", 0), ("V_IS_K", False), ("SINGLE_LOOP", False)):
+        assert plan.flags[flag] == value == defaults[flag].default
+    assert plan.flags["HEAD_DIM"] == d and plan.flags["HEAD_DIM_V"] == dv
+    rows = seqlen_q * (nheads // nheads_k) if nheads > nheads_k else seqlen_q
+    block_m = max(16, triton.next_power_of_2(rows))
+    pads = max(16, triton.next_power_of_2(d), triton.next_power_of_2(dv))
+    block_n, stages = launch._decode_tile(block_m, page, pads, q.element_size())
+    assert plan.fwd.constexprs["BLOCK_M"] == block_m and plan.fwd.constexprs["BLOCK_N"] == block_n
+    assert plan.fwd.options == dict(num_warps=launch.DECODE_NUM_WARPS, num_stages=stages)
+
+
+# (rows = seqlen_q x heads per KV head, share, fp8) -> (BLOCK_M, BLOCK_N, num_warps, num_stages): the
+# largest tiles sm_90 ptxas compiles without spills (tests/hopper_compile.py, docs/perf-notes.md)
+WIDE_TILES = [
+    ((128, True, False), (64, 32, 8, 2)),  # MLA decoding, 128 heads: two programs of 64 rows
+    ((64, True, False), (64, 32, 8, 2)),
+    ((32, True, False), (32, 32, 4, 2)),
+    ((16, True, False), (16, 32, 4, 2)),
+    ((128, False, False), (64, 16, 8, 2)),  # a v tile of its own
+    ((128, True, True), (32, 16, 4, 2)),  # an FP8 latent
+]
+
+
+@pytest.mark.parametrize("case,tile", WIDE_TILES)
+def test_the_wide_tile_is_the_measured_one(case, tile):
+    """The first (and only) choice for head dims above 256: no autotuning, the same tile with
+    TILEATTN_AUTOTUNE=0 or not, within the shared-memory budget; flags as the design says."""
+    rows, share, fp8 = case
+    q, k, v, kwargs = _cache_call(576, 512, rows, 1, 1, 64, torch.bfloat16, share, fp8)
+    plan = _plan(q, k, v, **kwargs)
+    c = plan.fwd.constexprs
+    assert (c["BLOCK_M"], c["BLOCK_N"], plan.fwd.options["num_warps"], plan.fwd.options["num_stages"]) == tile
+    assert (c["HEAD_DIM"], c["HEAD_DIM_PAD"], c["HEAD_DIM_TAIL"], c["HEAD_DIM_TAIL_PAD"]) == (512, 512, 64, 64)
+    assert c["V_IS_K"] == share and c["SINGLE_LOOP"] and c["PACK_GQA"] and plan.tuned is None
+    smem = launch._smem_bytes(c["BLOCK_M"], c["BLOCK_N"], tile[3], 576, q.element_size(), 0 if share else 512)
+    assert smem <= launch.SMEM_BUDGET
 
 
 def test_auto_splits_fill_the_waves(monkeypatch):

@@ -39,8 +39,9 @@ Layouts (last dim contiguous; other strides arbitrary, so views work):
 * ``out`` may have any strides (last dim contiguous) and, for partial states merged later,
   dtype fp32 whatever q's.
 * ``alibi_slopes``: None or (B, H) fp32 (the ops layer expands (H,) with a zero stride).
-* H % Hk == 0: query head h reads key/value head h // (H // Hk). D, Dv <= 256 (Triton); on the
-  CPU D <= 576 and Dv <= 512.
+* H % Hk == 0: query head h reads key/value head h // (H // Hk). D <= 576 and Dv <= 512 for the
+  forward; the backward takes D, Dv <= 256 on the Triton path (ops._validate refuses a call that
+  may need gradients there), all of them on the CPU.
 * Masks: query i of a sequence with seqlen_q, seqlen_k sees key j iff
   j <= i + (seqlen_k - seqlen_q) + window_right (if window_right >= 0) and
   j >= i + (seqlen_k - seqlen_q) - window_left (if window_left >= 0). causal == window_right 0.

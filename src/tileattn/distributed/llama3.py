@@ -437,6 +437,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, local_k_slice.stop - local_k_slice.start, max_seqlen_k)
     alibi = V.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
+    V.check_backward(cu_seqlens_q.shape[0] - 1, q, k, v, sink)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     plan = _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi is not None, heads_k_stride, nheads_k,
                  Peers(group), bounds)

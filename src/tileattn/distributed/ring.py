@@ -194,6 +194,7 @@ def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
+    V.check_backward(q.shape[0], q, k, v, sink)
     alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag, alibi)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
@@ -300,6 +301,7 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
+    V.check_backward(cu_seqlens.shape[0] - 1, q, k, v, sink)
     alibi = V.check_alibi(alibi_slopes, cu_seqlens.shape[0] - 1, q.shape[1], q.device)
     plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))

@@ -18,6 +18,11 @@ Choices made here:
   short sequences with the decode tile (split when asked) and the long ones with the prefill
   tile (never split; the combine skips their rows, marked in split 0's lse);
 * an FP8 cache (``k_descale``/``v_descale``): the same kernel with ``IS_FP8``;
+* head dims above 256 (MLA's absorbed latent, q/k 576 and v 512): q/k's head dim as a power-of-two
+  main part and a tail (``_split_head_dim``: 576 = 512 + 64, not padded to 1024), the key tile
+  reused as the value tile when v is a view of k's leading columns (``V_IS_K``), and one fixed
+  tile for every row count (``WIDE_*``: a 512-wide fp32 accumulator leaves no room for the
+  prefill configs; rows of 64 over two warpgroups, 128 accumulator registers per thread);
 * on Hopper, the prefill calls (dense or varlen) the Gluon kernel covers go to ``gpu/hopper.py`` instead.
 """
 
@@ -46,6 +51,7 @@ DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the s
 MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
+COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
@@ -54,6 +60,21 @@ DECODE_BLOCK_N_WHOLE_PAGES = 64
 DECODE_NUM_WARPS = 4
 DECODE_MAX_STAGES = 3  # fewer when the staged K/V tiles would not fit in shared memory
 SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the compiler's scratch
+# Head dims above TAIL_ABOVE (q/k) are a power-of-two main part and a tail; a call with a q/k or v
+# head dim above it is "wide" and takes the wide tile, for any number of rows: up to WIDE_BLOCK_M
+# rows (at 64 rows WIDE_NUM_WARPS: two warpgroups, each 256 columns of a 512-wide fp32 accumulator,
+# 128 registers per thread), WIDE_BLOCK_N keys when the key tile is the value tile (V_IS_K), else
+# WIDE_BLOCK_N_SEPARATE, and WIDE_MAX_STAGES stages or fewer (_decode_tile, for shared memory);
+# over an FP8 cache WIDE_FP8_BLOCK_M rows with 4 warps and WIDE_BLOCK_N_SEPARATE keys (the tile
+# converted to fp16 has no room beside 64 rows). Chosen by sm_90 ptxas: the largest tiles that
+# compile without spills (tests/hopper_compile.py checks it; the table is in docs/perf-notes.md).
+TAIL_ABOVE = 256
+WIDE_BLOCK_M = 64
+WIDE_NUM_WARPS = 8
+WIDE_BLOCK_N = 32
+WIDE_BLOCK_N_SEPARATE = 16
+WIDE_MAX_STAGES = 2
+WIDE_FP8_BLOCK_M = 32
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -66,14 +87,17 @@ def _prefill_configs():
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, kv_elem_size=None):
-    """Shared memory of one program, roughly: the Q tile plus ``stages`` K and V tiles (of
-    ``kv_elem_size`` bytes an element, an FP8 cache's 1, when it differs from q's)."""
-    return (block_m * elem_size + 2 * stages * block_n * (kv_elem_size or elem_size)) * head_dim_pad
+def _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, v_width=None, kv_elem_size=None):
+    """Shared memory of one program, roughly: the Q tile plus ``stages`` K and V tiles, each
+    ``head_dim_pad`` wide (V ``v_width`` wide when given: 0 when the K tile is the V tile), of
+    ``kv_elem_size`` bytes an element (an FP8 cache's 1) when it differs from q's."""
+    v_width = head_dim_pad if v_width is None else v_width
+    return block_m * head_dim_pad * elem_size + stages * block_n * (head_dim_pad + v_width) * (kv_elem_size or elem_size)
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32)."""
+    """Drop the tiles whose staged K/V would not fit in shared memory (large head dims, fp32).
+    Head dims above 256 never reach the autotuner: they take the wide tile (``FwdPlan``)."""
     head_dim_pad = max(kwargs["HEAD_DIM_PAD"], kwargs.get("HEAD_DIM_V_PAD", 0))  # the larger of q/k's and v's
     elem = named_args["Q"].element_size()
     kept = [c for c in configs
@@ -126,18 +150,20 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     return max(1, min(waves * resident // programs, key_blocks, MAX_SPLITS))
 
 
-def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int,
+def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int, v_width: int | None = None,
+                 block_n: int | None = None, stages: int = DECODE_MAX_STAGES,
                  kv_elem_size: int | None = None) -> tuple[int, int]:
     """(keys per tile, pipeline stages) of the decode launch; ``page_size`` 0 for a contiguous cache.
 
-    ``DECODE_BLOCK_N`` keys (``DECODE_BLOCK_N_WHOLE_PAGES`` when pages hold whole tiles) with
-    ``DECODE_MAX_STAGES``; when the staged tiles do not fit in shared memory (large head dims,
-    fp32), fewer stages down to 2, then fewer keys per tile down to 16, then 1 stage.
+    ``DECODE_BLOCK_N`` keys (``DECODE_BLOCK_N_WHOLE_PAGES`` when pages hold whole tiles; ``block_n``
+    when given) with ``stages``; when the staged tiles do not fit in shared memory (large head dims,
+    fp32), fewer stages down to 2, then fewer keys per tile down to 16, then 1 stage. The tiles
+    are ``head_dim_pad`` wide, V's ``v_width`` when given (``_smem_bytes``).
     """
-    whole_pages = page_size > 0 and page_size % DECODE_BLOCK_N_WHOLE_PAGES == 0
-    block_n = DECODE_BLOCK_N_WHOLE_PAGES if whole_pages else DECODE_BLOCK_N
-    stages = DECODE_MAX_STAGES
-    while _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, kv_elem_size) > SMEM_BUDGET:
+    if block_n is None:
+        whole_pages = page_size > 0 and page_size % DECODE_BLOCK_N_WHOLE_PAGES == 0
+        block_n = DECODE_BLOCK_N_WHOLE_PAGES if whole_pages else DECODE_BLOCK_N
+    while _smem_bytes(block_m, block_n, stages, head_dim_pad, elem_size, v_width, kv_elem_size) > SMEM_BUDGET:
         if stages > 2:
             stages -= 1
         elif block_n > 16:
@@ -145,6 +171,28 @@ def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int
         else:
             return block_n, 1
     return block_n, stages
+
+
+def _split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(main, tail) of q/k's head dim: up to ``TAIL_ABOVE`` one part (padded to a power of two by
+    the kernel), above it the largest power of two below plus the rest, so that the products pad
+    only the tail: 576 = 512 + 64 (padded whole, 1024 would cost 78 % more of the score products),
+    320 = 256 + 64, 384 = 256 + 128, 512 = 512 + 0."""
+    if head_dim <= TAIL_ABOVE:
+        return head_dim, 0
+    main = 1 << (head_dim.bit_length() - 1)
+    return main, head_dim - main
+
+
+def is_wide(head_dim_pad: int, head_dim_tail_pad: int, head_dim_v_pad: int) -> bool:
+    """Whether a launch of these (padded) head dims takes the wide tile (``WIDE_BLOCK_M``)."""
+    return head_dim_pad + head_dim_tail_pad > TAIL_ABOVE or head_dim_v_pad > TAIL_ABOVE
+
+
+def _v_is_k(k, v) -> bool:
+    """Whether v is k's leading columns in memory (MLA's latent: v_cache = k_cache[..., :headdim_v])."""
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.shape[:-1] == k.shape[:-1]
+            and v.stride() == k.stride())
 
 
 def clear_plans() -> None:
@@ -221,6 +269,9 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     right aligned, it sits at the last key. Such calls (decoding, as engines make them: causal)
     get the plan without the right mask: one kernel variant fewer, and no spill (sm_90: the
     unsplit decode tile had 24 bytes of stack with the mask, none without).
+
+    Whether v is a view of k's leading columns (``_v_is_k``, asked only of head dims above 256)
+    is part of the key: a wide plan then reads the value tile from the key tile (``V_IS_K``).
     """
     one_query = (q.shape[1] if cu_seqlens_q is None else max_seqlen_q) == 1 and params.diag_shift == 0
     if cu_seqlens_q is None and block_table is None:  # dense: the shapes give the lengths
@@ -246,7 +297,7 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if k_descale is None else k_descale.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
             params.window_left >= 0, params.window_right >= 0 and not one_query, params.softcap > 0,
-            params.dropout_p > 0)
+            params.dropout_p > 0, max(k.shape[-1], v.shape[-1]) > TAIL_ABOVE and _v_is_k(k, v))
 
 
 class FwdPlan:
@@ -266,7 +317,7 @@ class FwdPlan:
         (q_shape, q_stride, kv, o_stride, l_stride,
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
          alibi, cu_q, cu_k, seqused, table, sink, descale, max_seqlen_q, max_seqlen_k, num_splits,
-         mask_left, mask_right, has_softcap, has_dropout) = key
+         mask_left, mask_right, has_softcap, has_dropout, v_is_k) = key
         self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
         if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
             k_shape, v_shape = (kv[0], 0, *kv[1]), (kv[0], 0, *kv[2])
@@ -305,11 +356,18 @@ class FwdPlan:
             page_size = 1
             seqlen_k = k_shape[1]
         group = nheads // nheads_k
-        head_dim_pad = max(16, next_power_of_2(head_dim))
         head_dim_v = v_shape[-1]  # the output's head dim too; may differ from q/k's (MLA)
+        head_dim, head_dim_tail = _split_head_dim(head_dim)  # q/k: main part and tail (head dims above 256)
+        head_dim_pad = max(16, next_power_of_2(head_dim))
+        head_dim_tail_pad = max(16, next_power_of_2(head_dim_tail)) if head_dim_tail else 0
         head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
-        smem_dim = max(head_dim_pad, head_dim_v_pad)  # shared-memory estimates: the larger tile width
+        wide = is_wide(head_dim_pad, head_dim_tail_pad, head_dim_v_pad)
+        v_is_k = v_is_k and wide and head_dim_v == head_dim  # the key tile's main part is the value tile
         elem_size = q_dtype.itemsize
+        if wide:  # shared-memory estimates: Q and K tiles main + tail wide, V's own (none if it is K's)
+            smem_dim, v_width = head_dim_pad + head_dim_tail_pad, 0 if v_is_k else head_dim_v_pad
+        else:  # the larger tile width for all three
+            smem_dim, v_width = max(head_dim_pad, head_dim_v_pad), None
 
         short = DECODE_MAX_ROWS // group  # queries of the longest sequence the decode tile serves
         mixed = varlen and seqused is not None and seqlen_q > short >= 1 and min_seqlen_q == 0
@@ -319,8 +377,10 @@ class FwdPlan:
         pack_gqa = group > 1 and rows_q <= PACK_GQA_MAX_SEQLEN_Q
         max_rows = rows_q * group if pack_gqa else rows_q
         heads_grid = nheads_k if pack_gqa else nheads
-        decode = max_rows <= DECODE_MAX_ROWS
+        decode = max_rows <= DECODE_MAX_ROWS or wide  # a fixed tile (wide: for every row count)
         block_m = max(16, next_power_of_2(max_rows)) if decode else 128  # 128: the usual prefill tile
+        if wide:
+            block_m = min(block_m, WIDE_FP8_BLOCK_M if descale is not None else WIDE_BLOCK_M)
         if mixed:
             # A mixed batch's short sequences (up to 64 rows) take the 16-row tile whatever their
             # count: sized for 64 rows the decode tile needs 148 KB of shared memory and spills at
@@ -328,11 +388,18 @@ class FwdPlan:
             # ptxas). A decoding row (GQA 4: 4 rows) fits one tile; a sequence of 5-16 queries is
             # read by 2-4 programs.
             block_m = MIXED_BLOCK_M
-        kv_elem_size = k_dtype.itemsize
-        block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size, kv_elem_size)
+        kv_elem_size = None
+        if wide:  # the wide tiles were chosen by ptxas with 2-byte estimates (perf-notes): kept as measured
+            keys = WIDE_BLOCK_N if v_is_k and descale is None else WIDE_BLOCK_N_SEPARATE
+            block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size, v_width, keys,
+                                           WIDE_MAX_STAGES)
+        else:
+            kv_elem_size = k_dtype.itemsize
+            block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size,
+                                           kv_elem_size=kv_elem_size)
         if num_splits == 0:
             programs = batch * heads_grid * cdiv(max_rows, block_m)
-            smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size, kv_elem_size)
+            smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size, v_width, kv_elem_size)
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
         split_kv = num_splits > 1
         self.num_splits = num_splits
@@ -374,7 +441,8 @@ class FwdPlan:
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
             DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-            HAS_SINK=sink is not None,
+            HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
+            V_IS_K=v_is_k, SINGLE_LOOP=wide,
         )
         self.flags = flags
 
@@ -390,8 +458,9 @@ class FwdPlan:
                            int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
         self.tuned = self.tune_key = None
         if decode:
+            num_warps = WIDE_NUM_WARPS if wide and block_m == WIDE_BLOCK_M else DECODE_NUM_WARPS
             self.fwd = launch_for(_attn_fwd_kernel, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
-                                  dict(num_warps=DECODE_NUM_WARPS, num_stages=stages), self._signature)
+                                  dict(num_warps=num_warps, num_stages=stages), self._signature)
             self.grid = grid(block_m)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
@@ -472,9 +541,9 @@ def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, 
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
+    block_s = min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S, COMBINE_MAX_TILE // head_dim_pad)
     launch = launch_for(_combine_kernel,
-                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                             BLOCK_S=min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S), HAS_SINK=sink is not None,
+                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=block_s, HAS_SINK=sink is not None,
                              SKIP_MARKED=marked),
                         dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
                                             int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))

@@ -17,24 +17,37 @@ The key tiles a query block needs fall into three ranges, walked in order:
     [full_lo, full_hi)  every (row, key) pair visible and every key < seqlen_k: no mask work
     [full_hi, n_hi)     causal diagonal / right window edge / last partial tile: masked
 
-Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SPLIT_KV`` the grid's
-axis 1 cuts ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial,
-already normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
+Tiles outside ``[n_lo, n_hi)`` are fully masked and never touched. With ``SINGLE_LOOP`` one
+masked loop walks all of ``[n_lo, n_hi)`` instead (the wide tile, below: a 512-wide fp32
+accumulator leaves no registers for the pipelines of a second loop, and the masks cost a few
+operations per score beside a 576-deep product). With ``SPLIT_KV`` the grid's axis 1 cuts
+``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial, already
+normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
 
 ``HEAD_DIM_V`` is v's head dim (and the output's), which may differ from q/k's ``HEAD_DIM``
-(MLA). Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
+(MLA). With ``HEAD_DIM_TAIL > 0`` q/k's head dim is ``HEAD_DIM + HEAD_DIM_TAIL``: a power-of-two
+main part (``HEAD_DIM = HEAD_DIM_PAD``) and a tail padded to ``HEAD_DIM_TAIL_PAD``; the scores are
+``q_main . k_main + q_tail . k_tail``, so MLA's absorbed 576 = 512 + 64 is not padded to 1024
+(``HEAD_DIM_TAIL = 0``, every head dim up to 256, compiles to the kernel without it).
+``V_IS_K``: v is k's first ``HEAD_DIM_V`` (= ``HEAD_DIM``) columns in memory (MLA's latent cache,
+``v_cache = k_cache[..., :512]``): the key tile loaded for the scores is the value tile, so the
+latent is read once.
+
+Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
 ``IS_PAGED`` (keys in a block pool addressed through a block table), ``HAS_SEQUSED_K``,
-``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r % GROUP``,
-so one program reads each K/V tile once for the whole group), ``SPLIT_KV``, ``MASK_LEFT`` /
-``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0), ``HAS_SOFTCAP``,
-``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with descales ``KDescale``/``VDescale``,
-contiguous (batch, nheads_k) fp32, real = stored x descale: the tiles convert exactly to
-``DOT_DTYPE``, k's descale joins the score scale and v's the output), ``HAS_SINK (a learnable sink logit per query head: without
-``SPLIT_KV`` the recurrence starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key
-of value 0 every row sees; with it the combine merges the sink once). ``DOT_DTYPE`` is the operand dtype of the two matmuls: the inputs'
-dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16 under Triton
-3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the launcher then asks
-for fp32.
+``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r %
+GROUP``, so one program reads each K/V tile once for the whole group), ``SPLIT_KV``,
+``MASK_LEFT`` / ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0),
+``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with
+descales ``KDescale``/``VDescale``, contiguous (batch, nheads_k) fp32, real = stored x descale:
+the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale and v's the
+output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
+starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
+with it the combine merges the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
+``V_IS_K`` and ``SINGLE_LOOP`` (above). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
+the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
+under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
+launcher then asks for fp32.
 """
 
 import triton
@@ -46,11 +59,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn, stride_vn,
-                    tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn,
+                    stride_vn, tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                     window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                    HEAD_DIM_TAIL: tl.constexpr, HEAD_DIM_TAIL_PAD: tl.constexpr, V_IS_K: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -59,6 +73,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
 
     ``MASKED`` tiles apply the window and ``seqlen_k`` bounds; unmasked tiles are known to be
     fully visible and fully inside the sequence, so they carry no masks but the head dim's.
+    With ``HEAD_DIM_TAIL`` the scores add the tail's product ``b_qt . k_tail`` (``b_qt`` is
+    unread otherwise); with ``V_IS_K`` the key tile is the value tile.
     """
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
@@ -95,6 +111,17 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
         else:
             b_k = tl.load(k_ptrs)
         qk = tl.dot(b_q, tl.trans(b_k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        if HEAD_DIM_TAIL > 0:  # q/k's columns past the power-of-two main part
+            offs_t = tl.arange(0, HEAD_DIM_TAIL_PAD)  # [HEAD_DIM_TAIL_PAD]
+            kt_ptrs = k_base + k_rows[:, None] + HEAD_DIM + offs_t[None, :]  # [BLOCK_N, HEAD_DIM_TAIL_PAD]
+            if MASKED:
+                kt_mask = (k_pos[:, None] < seqlen_k) & (offs_t[None, :] < HEAD_DIM_TAIL)  # [BLOCK_N, TAIL_PAD]
+                b_kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
+            elif HEAD_DIM_TAIL != HEAD_DIM_TAIL_PAD:
+                b_kt = tl.load(kt_ptrs, mask=offs_t[None, :] < HEAD_DIM_TAIL, other=0.0)
+            else:
+                b_kt = tl.load(kt_ptrs)  # [BLOCK_N, HEAD_DIM_TAIL_PAD]
+            qk = tl.dot(b_qt, tl.trans(b_kt.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                         window_left, window_right, HAS_SOFTCAP, HAS_ALIBI,
                         MASKED and MASK_LEFT, MASKED and MASK_RIGHT, MASKED)  # [BLOCK_M, BLOCK_N]
@@ -106,7 +133,9 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kpage, strid
             keep = dropout_keep(dropout_seed, bh, q_pos + drop_r0, k_pos + drop_c0,
                                 dropout_threshold)  # [BLOCK_M, BLOCK_N]
             p = tl.where(keep, p * dropout_scale, 0.0)
-        if MASKED or HEAD_DIM_V != HEAD_DIM_V_PAD:
+        if V_IS_K:  # v is k's first HEAD_DIM_V (= HEAD_DIM) columns: the key tile, read once
+            b_v = b_k  # [BLOCK_N, HEAD_DIM_V_PAD]
+        elif MASKED or HEAD_DIM_V != HEAD_DIM_V_PAD:
             b_v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_V_PAD]
         else:
             b_v = tl.load(v_ptrs)
@@ -137,7 +166,8 @@ def _attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, IS_FP8: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SINK: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
+    V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -195,6 +225,12 @@ def _attn_fwd_kernel(
     q_rows = b64 * stride_qb + tok * stride_qs + head.to(tl.int64) * stride_qh  # [BLOCK_M]
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_PAD]
     b_q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if HEAD_DIM_TAIL > 0:  # q's columns HEAD_DIM .. HEAD_DIM + HEAD_DIM_TAIL - 1
+        offs_t = tl.arange(0, HEAD_DIM_TAIL_PAD)  # [HEAD_DIM_TAIL_PAD]
+        qt_mask = row_ok[:, None] & (offs_t[None, :] < HEAD_DIM_TAIL)  # [BLOCK_M, HEAD_DIM_TAIL_PAD]
+        b_qt = tl.load(Q + q_rows[:, None] + HEAD_DIM + offs_t[None, :], mask=qt_mask, other=0.0)
+    else:
+        b_qt = b_q  # a stand-in: without a tail the inner loop never reads it
     if IS_FP8:
         # fp16 operands (DOT_DTYPE): float8_e4m3fn turns into fp16 with one instruction per two
         # values (into bf16 through fp16 and fp32: three). q, bf16 or fp16, is scaled by a power of
@@ -202,10 +238,16 @@ def _attn_fwd_kernel(
         # 2^-27 of the largest at fp16's full precision (bf16 keeps 8 bits, fp16 11); the factor
         # joins the scores' scale, so the scores are unchanged up to rounding
         q_abs = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
+        if HEAD_DIM_TAIL > 0:
+            q_abs = tl.maximum(q_abs, tl.max(tl.max(tl.abs(b_qt.to(tl.float32)), 1), 0))
         q_exp = tl.math.ceil(tl.math.log2(tl.maximum(q_abs, 1e-30))) - 14.0
         b_q = b_q.to(tl.float32) * tl.math.exp2(-q_exp)
+        if HEAD_DIM_TAIL > 0:
+            b_qt = b_qt.to(tl.float32) * tl.math.exp2(-q_exp)
         scale_log2 = scale_log2 * tl.math.exp2(q_exp)
     b_q = b_q.to(DOT_DTYPE)
+    if HEAD_DIM_TAIL > 0:
+        b_qt = b_qt.to(DOT_DTYPE)
 
     if IS_PAGED:
         k_base = K + head_k.to(tl.int64) * stride_kh
@@ -261,25 +303,31 @@ def _attn_fwd_kernel(
         m_i = tl.load(Sinks + head) * LOG2E  # [BLOCK_M]
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_V_PAD]
-    if MASK_LEFT:
+    if SINGLE_LOOP:  # every tile in one masked loop: [n_lo, full_lo) is all of [n_lo, n_hi)
+        full_lo = n_hi
+    if MASK_LEFT or SINGLE_LOOP:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
+            acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
-            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
-        full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, False,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
-        full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-        window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, PAGE_SIZE, IS_PAGED, True,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
+            V_IS_K, PAGE_SIZE, IS_PAGED, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_DTYPE, DOT_PRECISION)
+    if not SINGLE_LOOP:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
+            full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+            window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
+            V_IS_K, PAGE_SIZE, IS_PAGED, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_DTYPE, DOT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
+            full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
+            window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
+            V_IS_K, PAGE_SIZE, IS_PAGED, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_DTYPE, DOT_PRECISION)
 
     empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
     l_safe = tl.where(empty, 1.0, l_i)

@@ -35,8 +35,13 @@ from ..contract import AttnParams
 from .backend import backend_name
 from .fp8 import FP8_DTYPE, is_fp8
 
-MAX_HEADDIM = {"cpu": 576, "triton": 256}  # q/k's head dim (576: MLA's absorbed latent, on the CPU tiles)
-MAX_HEADDIM_V = {"cpu": 512, "triton": 256}  # v's own head dim, where it may differ from q/k's
+# q/k's head dim (576: MLA's absorbed latent; on the Triton path above 256 as a power-of-two part and
+# a tail, gpu.attention._split_head_dim) and v's own head dim, where it may differ from q/k's
+MAX_HEADDIM = {"cpu": 576, "triton": 576}
+MAX_HEADDIM_V = {"cpu": 512, "triton": 512}
+# ... when a gradient may be asked for: the Triton backward's tiles stop at 256 (wider head dims
+# run forward only there: MLA decoding; the CPU tiles train them)
+MAX_HEADDIM_GRAD = {"cpu": 576, "triton": 256}
 MAX_GRID = 65535  # batch and heads are grid axes of the Triton backward
 DEBUG_ENV = "TILEATTN_DEBUG_CHECKS"
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -189,13 +194,25 @@ def check_qkv(q, k, v, *, packed: bool, cache: bool = False, headdim_v: bool = F
         fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM[backend]} on the {backend} path, got {headdim}")
 
 
-def check_grid(batch: int, q, k, v) -> None:
-    """The backward's grid has batch and heads on axes of at most 65535: checked when a
-    gradient may be asked for (the forward's grid has no such limit)."""
-    if (batch > MAX_GRID or q.shape[-2] > MAX_GRID) and torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad):
+def check_backward(batch: int, q, k, v, learnable_sink=None) -> None:
+    """The backward's limits, checked before the forward runs when a gradient may be asked for
+    (grad mode on and q, k, v or the sinks requiring one): its grid has batch and heads on axes
+    of at most 65535 (the forward's grid has no such limit), and on the Triton path it takes
+    head dims up to ``MAX_HEADDIM_GRAD`` (the forward takes wider ones)."""
+    sink_grad = isinstance(learnable_sink, torch.Tensor) and learnable_sink.requires_grad
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad):
+        return
+    if batch > MAX_GRID or q.shape[-2] > MAX_GRID:
         fail(ValueError, f"the backward handles batch and nheads up to {MAX_GRID}, got batch {batch} and nheads "
                          f"{q.shape[-2]}")
+    backend = backend_name(q.device)
+    limit = MAX_HEADDIM_GRAD[backend]
+    if q.shape[-1] > limit or v.shape[-1] > limit:
+        fail(NotImplementedError, f"gradients on the {backend} path take head dims up to {limit}, got q/k "
+                                  f"{q.shape[-1]} and v {v.shape[-1]}: the {backend} forward takes them, the "
+                                  f"backward does not. Call it without gradients (torch.no_grad(), or inputs that "
+                                  f"do not require grad), or train on the CPU tiles (CPU tensors, "
+                                  f"TILEATTN_BACKEND=cpu)")
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:

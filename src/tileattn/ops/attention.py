@@ -64,8 +64,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
     """Exact attention of q (batch, seqlen_q, nheads, headdim) over k (batch, seqlen_k, nheads_k, headdim)
     and v (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim (MLA: q/k 192, v 128),
-    up to 512 on the CPU and 256 on the GPU, and the output then has headdim_v. headdim is at most 256
-    on the GPU, 576 on the CPU (MLA's absorbed latent).
+    up to 512, and the output then has headdim_v; headdim is at most 576 (MLA's absorbed latent). On
+    the GPU head dims above 256 run forward only: a call that may need gradients raises
+    NotImplementedError there (the CPU tiles train them).
 
     Arguments as in flash-attn: ``dropout_p`` (set it to 0.0 in evaluation), ``softmax_scale``
     (default headdim ** -0.5), ``causal`` (bottom-right aligned), ``window_size=(left, right)``
@@ -86,11 +87,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     batch, seqlen_q = q.shape[0], q.shape[1]
     if k.shape[0] != batch:
         V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
-    V.check_grid(batch, q, k, v)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
+    V.check_backward(batch, q, k, v, sink)
 
     params = with_dropout_seed(params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))

@@ -58,13 +58,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     V.check_qkv(q, k, v, packed=True, cache=paged, headdim_v=True)
     keys_by_seqused = paged and seqused_k is not None and cu_seqlens_k is None  # then cu_seqlens_k may be None
     batch = V.check_offsets(cu_seqlens_q, cu_seqlens_q if keys_by_seqused else cu_seqlens_k, q)
-    V.check_grid(batch, q, k, v)
     max_seqlen_q = V.integer("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = V.integer("max_seqlen_k", max_seqlen_k, 0)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
+    V.check_backward(batch, q, k, v, sink)
     k_descale, v_descale = V.check_descales(k, q, k_descale, v_descale, batch, v_cache=v)
     if seqused_k is not None:
         V.check_int32_vector("seqused_k", seqused_k, batch, q.device)
