@@ -343,8 +343,9 @@ def test_wide_prefill_on_the_triton_path(triton_path, seqlen_q, seqlen_k, nheads
     gen = torch.Generator().manual_seed(seqlen_q + nheads)
     q = rand(gen, 2, seqlen_q, nheads, 576, dtype=torch.bfloat16)
     latent = rand(gen, 2, seqlen_k, 1, 576, dtype=torch.bfloat16)
+    packed = latent.flatten(0, 1).to(DEVICE)  # once: v must be a view of k (on a GPU, .to copies)
     out, lse = tileattn.flash_attn_varlen_func(
-        q.flatten(0, 1).to(DEVICE), latent.flatten(0, 1).to(DEVICE), latent.flatten(0, 1).to(DEVICE)[..., :512],
+        q.flatten(0, 1).to(DEVICE), packed, packed[..., :512],
         torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32, device=DEVICE),
         torch.tensor([0, seqlen_k, 2 * seqlen_k], dtype=torch.int32, device=DEVICE), seqlen_q, seqlen_k,
         softmax_scale=0.06, causal=True, return_softmax_lse=True)
