@@ -165,6 +165,24 @@ def mla_sdpa(backend_name: str, q, latent):
     return run
 
 
+def timed_row(case: dict, args, ref, name: str, fn, note: str = "", captured=None) -> dict:
+    """Time ``fn`` (None: it could not be built, ``note`` says why) and check its output against
+    ``ref`` (a graph replay returns nothing: ``captured`` is the output tensor it writes): one row."""
+    out, err, ms = None, note, None
+    if fn is not None:
+        out, err = common.attempt(fn)
+        out = captured if captured is not None else out
+    if out is not None:
+        ms, err = common.attempt(lambda: common.bench(fn, args.device, cpu_reps=3, l2=args.l2))
+    bw = common.gbs(case["kv_bytes"], ms)
+    diff = None if out is None else (out.float() - ref).abs().max().item()
+    if diff is not None and not diff < float("inf"):
+        err = f"WRONG OUTPUT: NaN or inf (max |out - ref| = {diff}); {err or note}"
+    return dict(batch=case["batch"], kv_len=case["kv_len"], kv_mb=case["kv_bytes"] / 2**20, impl=name, l2=args.l2,
+                us=ms and ms * 1e3, gbs=bw, pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS,
+                tflops=common.tflops(case["flops"], ms) if "flops" in case else None, err=diff, note=err or note)
+
+
 def run_mla_case(case: dict, args, dtype) -> list[dict]:
     import torch
 
@@ -179,19 +197,7 @@ def run_mla_case(case: dict, args, dtype) -> list[dict]:
     rows = []
 
     def record(name, fn, note="", captured=None):
-        out, err, ms = None, note, None
-        if fn is not None:
-            out, err = common.attempt(fn)
-            out = captured if captured is not None else out
-        if out is not None:
-            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3, l2=args.l2))
-        bw = common.gbs(case["kv_bytes"], ms)
-        diff = None if out is None else (out.float() - ref).abs().max().item()
-        if diff is not None and not diff < float("inf"):
-            err = f"WRONG OUTPUT: NaN or inf (max |out - ref| = {diff}); {err or note}"
-        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, l2=args.l2,
-                         us=ms and ms * 1e3, gbs=bw, pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS,
-                         tflops=common.tflops(case["flops"], ms), err=diff, note=err or note))
+        rows.append(timed_row(case, args, ref, name, fn, note, captured))
 
     def tile(cache, table):
         return lambda: tileattn.flash_attn_with_kvcache(q, cache, cache[..., :MLA_DIM_V], cache_seqlens=seqlens,
@@ -244,21 +250,7 @@ def run_case(case: dict, args, dtype) -> list[dict]:
     rows = []
 
     def record(name, fn, note="", captured=None):
-        """Time ``fn`` (None: it could not be built, ``note`` says why) and check its output
-        (a graph replay returns nothing: ``captured`` is the output tensor it writes)."""
-        out, err, ms = None, note, None
-        if fn is not None:
-            out, err = common.attempt(fn)
-            out = captured if captured is not None else out
-        if out is not None:
-            ms, err = common.attempt(lambda: common.bench(fn, dev, cpu_reps=3, l2=args.l2))
-        bw = common.gbs(case["kv_bytes"], ms)
-        diff = None if out is None else (out.float() - ref).abs().max().item()
-        if diff is not None and not diff < float("inf"):
-            err = f"WRONG OUTPUT: NaN or inf (max |out - ref| = {diff}); {err or note}"
-        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl=name, l2=args.l2,
-                         us=ms and ms * 1e3, gbs=bw,
-                         pct_hbm=bw and 100 * bw / common.HBM_PEAK_GBS, err=diff, note=err or note))
+        rows.append(timed_row(case, args, ref, name, fn, note, captured))
 
     def tile(kc, vc, table):
         import tileattn
