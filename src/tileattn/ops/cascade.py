@@ -22,10 +22,12 @@ max_blocks) int32 with ``cache_seqlens`` (batch,) int32 keys after the prefix. N
 (batch, seqlen_new, nheads_k, headdim) are appended to each suffix first, as
 ``flash_attn_with_kvcache`` does. ``v_cache`` (and ``v``) may have a head dim of its own,
 headdim_v (the output, both partial states and their merge have it too), also as MLA's latent
-pool, ``v_cache = k_cache[..., :headdim_v]`` (keys and values in one storage). Causal is aligned bottom-right on the whole sequence: query i
-of request b sits at position prefix_len + L_b - seqlen_q + i (L_b its suffix length after the
-append), so the queries must lie in the suffix (L_b >= seqlen_q). Sliding windows and ALiBi
-depend on positions inside the prefix and are not offered; softcap is.
+pool, ``v_cache = k_cache[..., :headdim_v]`` (keys and values in one storage).
+
+Causal is aligned bottom-right on the whole sequence: query i of request b sits at position
+prefix_len + L_b - seqlen_q + i (L_b its suffix length after the append), so the queries must
+lie in the suffix (L_b >= seqlen_q). Sliding windows and ALiBi depend on positions inside the
+prefix and are not offered; softcap is.
 
 An FP8 pool (float8_e4m3fn, ``tileattn.ops.fp8``) takes ``k_descale``/``v_descale`` (batch,
 nheads_k) for the requests' own keys (new k, v are quantised with them) and

@@ -44,7 +44,8 @@ class DecodePlan:
     ``q``, ``k_cache``, ``v_cache`` are any one layer's (their shapes, strides, dtype and device
     are what every layer's must have); ``seqlen_new`` is how many tokens each layer appends
     (0: none), each layer passing ``k`` of shape (batch, seqlen_new, nheads_k, headdim) and ``v``
-    of shape (batch, seqlen_new, nheads_k, headdim_v) (v_cache's head dim). The other arguments mean what they mean to ``flash_attn_with_kvcache``.
+    of shape (batch, seqlen_new, nheads_k, headdim_v) (v_cache's head dim). The other arguments
+    mean what they mean to ``flash_attn_with_kvcache``.
     """
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
