@@ -450,3 +450,112 @@ def test_mla_decoding_at_the_real_shape_on_cuda(fp8):
         ref_o, _ = R.attention_naive(q[b:b + 1].double().numpy(), keys.numpy(), keys[..., :512].numpy())
         plain_o, _ = plain_attention(q[b:b + 1], keys.to(torch.bfloat16), keys[..., :512].to(torch.bfloat16))
         assert_within(f"seq {b} ({n} keys) out", out[b:b + 1], plain_o, ref_o)
+
+
+# ------------------------------------------------------------ the serving entry points: DecodePlan, cascade
+
+SERVING_CASES = {  # (headdim, headdim_v, latent: v_cache = k_cache[..., :headdim_v], nheads, nheads_k, dtype)
+    "192/128": (192, 128, False, 4, 2, torch.float16),
+    "MLA 576/512 latent": (576, 512, True, 4, 1, torch.bfloat16),
+}
+
+
+def serving_pool(gen, lengths, page, d, dv, latent, nheads_k, dtype, num_blocks, table=None):
+    """A paged pool (a random permutation of ``num_blocks`` pages of ``page``, unused slots NaN) of
+    keys (d) and values (dv, or the keys' first dv when ``latent``) for sequences of ``lengths``;
+    returns (k_pool, v_pool, table (batch, max_pages), keys, values (batch, longest, nheads_k, .)).
+    A ``table`` given is used (another layer of one decoding step)."""
+    pages = max(-(-n // page) for n in lengths)
+    if table is None:
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        table = torch.tensor([[order.pop() for _ in range(pages)] for _ in lengths], dtype=torch.int32)
+    keys = rand(gen, len(lengths), pages * page, nheads_k, d, dtype=dtype)
+    values = keys[..., :dv] if latent else rand(gen, len(lengths), pages * page, nheads_k, dv, dtype=dtype)
+    k_pool = torch.full((num_blocks, page, nheads_k, d), float("nan"), dtype=dtype)
+    v_pool = k_pool[..., :dv] if latent else torch.full((num_blocks, page, nheads_k, dv), float("nan"), dtype=dtype)
+    for b, n in enumerate(lengths):
+        for p in range(-(-n // page)):
+            rows = slice(p * page, min(n, (p + 1) * page))
+            k_pool[table[b, p], :rows.stop - rows.start] = keys[b, rows]
+            if not latent:
+                v_pool[table[b, p], :rows.stop - rows.start] = values[b, rows]
+    return k_pool, v_pool, table, keys, values
+
+
+@pytest.mark.parametrize("case", list(SERVING_CASES))
+def test_decode_plan_with_headdim_v(device, case):
+    """``DecodePlan`` with v of its own head dim: each layer's run (appending one token) equals
+    ``flash_attn_with_kvcache`` bit for bit, out (.., headdim_v) is within the tolerance rule of
+    float64 attention, and MLA's latent is written once, in place (the plan keeps the view)."""
+    d, dv, latent, nheads, nheads_k, dtype = SERVING_CASES[case]
+    gen = torch.Generator().manual_seed(d + dv + 1)
+    lengths = [9, 22]  # after the append
+    lens = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=device)
+    layers, table = [], None
+    for _ in range(2):
+        k_pool, v_pool, table, keys, values = serving_pool(gen, [n - 1 for n in lengths], 8, d, dv, latent, nheads_k,
+                                                           dtype, 9, table)
+        for b, n in enumerate(lengths):  # the appended token: keys[b, n - 1] (NaN in the pool until then)
+            keys[b, n - 1] = rand(gen, nheads_k, d, dtype=dtype)
+            if not latent:
+                values[b, n - 1] = rand(gen, nheads_k, dv, dtype=dtype)
+        k_new = torch.stack([keys[b, n - 1:n] for b, n in enumerate(lengths)])
+        v_new = k_new[..., :dv] if latent else torch.stack([values[b, n - 1:n] for b, n in enumerate(lengths)])
+        k_pool = k_pool.to(device)
+        v_pool = k_pool[..., :dv] if latent else v_pool.to(device)
+        k_new = k_new.to(device)
+        v_new = k_new[..., :dv] if latent else v_new.to(device)
+        layers.append((rand(gen, 2, 1, nheads, d, dtype=dtype).to(device), k_pool, v_pool, k_new, v_new, keys, values))
+    table = table.to(device)
+    plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, causal=True, num_splits=2,
+                               return_softmax_lse=True)
+    for q, k_pool, v_pool, k_new, v_new, keys, values in layers:
+        k_ref = k_pool.clone()
+        v_ref = k_ref[..., :dv] if latent else v_pool.clone()
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                causal=True, num_splits=2, return_softmax_lse=True)
+        out, lse = plan.run(q, k_pool, v_pool, k=k_new, v=v_new)
+        assert out.shape == (2, 1, nheads, dv)
+        torch.testing.assert_close(out, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(lse, want[1], rtol=0, atol=0)
+        torch.testing.assert_close(k_pool, k_ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_pool, v_ref, rtol=0, atol=0, equal_nan=True)
+        check_per_sequence(out.cpu(), q.cpu(), keys, values, lengths, lse=lse.cpu())
+    if latent:  # a layer whose v_cache is no view of its k_cache is not the planned layer
+        q, k_pool, v_pool, k_new, v_new = layers[0][:5]
+        with pytest.raises(ValueError, match="view of k_cache"):
+            plan.run(q, k_pool, v_pool.clone(), k=k_new, v=v_new)
+    with pytest.raises(ValueError, match="the plan appends v"):
+        plan.run(*layers[0][:4], v=layers[0][3])
+
+
+@pytest.mark.parametrize("case", list(SERVING_CASES))
+def test_cascade_with_headdim_v(device, case):
+    """``cascade_attn_with_kvcache`` with v of its own head dim: the prefix's and the suffixes'
+    partial states and their merge have headdim_v; causal, one appended token per request (written
+    once for the latent), against float64 attention over prefix ++ suffix by the tolerance rule."""
+    d, dv, latent, nheads, nheads_k, dtype = SERVING_CASES[case]
+    gen = torch.Generator().manual_seed(d + dv + 2)
+    page, prefix_len, suffix = 8, 13, [4, 11, 1]  # suffix lengths after the append
+    # one pool: the prefix as "sequence" 0, the requests' suffixes after it
+    k_pool, v_pool, table, keys, values = serving_pool(gen, [prefix_len] + [n - 1 for n in suffix], page, d, dv,
+                                                       latent, nheads_k, dtype, 16)
+    for b, n in enumerate(suffix):
+        keys[b + 1, n - 1] = rand(gen, nheads_k, d, dtype=dtype)
+        if not latent:
+            values[b + 1, n - 1] = rand(gen, nheads_k, dv, dtype=dtype)
+    k_new = torch.stack([keys[b + 1, n - 1:n] for b, n in enumerate(suffix)]).to(device)
+    v_new = k_new[..., :dv] if latent else torch.stack([values[b + 1, n - 1:n] for b, n in enumerate(suffix)]).to(
+        device)
+    k_pool = k_pool.to(device)
+    v_pool = k_pool[..., :dv] if latent else v_pool.to(device)
+    q = rand(gen, len(suffix), 1, nheads, d, dtype=dtype)
+    lens = torch.tensor([n - 1 for n in suffix], dtype=torch.int32, device=device)
+    out, lse = tileattn.cascade_attn_with_kvcache(
+        q.to(device), k_pool, v_pool, table[0, :2].to(device), prefix_len, table[1:].to(device), lens, k=k_new,
+        v=v_new, causal=True, num_splits=2, return_softmax_lse=True)
+    assert out.shape == (len(suffix), 1, nheads, dv) and out.dtype == dtype
+    for b, n in enumerate(suffix):
+        kb = torch.cat([keys[0, :prefix_len], keys[b + 1, :n]])[None]
+        vb = torch.cat([values[0, :prefix_len], values[b + 1, :n]])[None]
+        check_per_sequence(out[b:b + 1].cpu(), q[b:b + 1], kb, vb, [prefix_len + n], lse=lse[b:b + 1].cpu())

@@ -182,6 +182,29 @@ CASES = {
                                          units=(1, 0, 2), heads=(2, 1), hdim=16, backend="triton"),
     "llama3-full-dropout-triton": dict(kind="llama3", causal=False, dropout=0.25, dtype="float32", docs=(5, 0, 9),
                                        heads=(4, 2), hdim=16, stride=1, backend="triton"),
+    # v with a head dim of its own (hdim_v; issue #18 item 2): out and dv have it, the shard travels as k ++ v
+    # (last in this table: a case's seed is its index, so the cases above keep their draws)
+    "zigzag-causal-hdimv-192-128": dict(kind="zigzag", causal=True, dtype="float32", batch=2, seqlen=10, heads=(4, 2),
+                                        hdim=192, hdim_v=128),
+    "zigzag-causal-hdimv-views-bf16": dict(kind="zigzag", causal=True, dtype="bfloat16", batch=1, seqlen=12,
+                                           heads=(2, 1), hdim=24, hdim_v=40, views=True),
+    "contiguous-window-hdimv-sink-dlse": dict(kind="contiguous", causal=True, window=(5, -1), dtype="float32",
+                                              batch=1, seqlen=12, heads=(2, 1), hdim=40, hdim_v=24, sink=True,
+                                              dlse=True),
+    "contiguous-varlen-hdimv": dict(kind="contiguous-varlen", causal=True, dtype="float32", units=(3, 0, 1, 5),
+                                    heads=(2, 2), hdim=48, hdim_v=16),
+    "zigzag-varlen-window-hdimv": dict(kind="zigzag-varlen", causal=False, window=(4, 2), dtype="float32",
+                                       units=(2, 0, 3), heads=(4, 1), hdim=24, hdim_v=40),
+    "llama3-causal-hdimv-192-128": dict(kind="llama3", causal=True, dtype="float32", docs=(5, 0, 17, 1, 9),
+                                        heads=(4, 2), hdim=192, hdim_v=128, stride=1),
+    "llama3-window-hdimv-bf16": dict(kind="llama3", causal=False, window=(6, 3), dtype="bfloat16",
+                                     docs=(7, 13, 0, 6), heads=(4, 2), hdim=40, hdim_v=24, stride=2, sink=True,
+                                     dlse=True),
+    # ... and under the interpreter
+    "zigzag-causal-hdimv-triton": dict(kind="zigzag", causal=True, dtype="float32", batch=1, seqlen=8, heads=(2, 1),
+                                       hdim=24, hdim_v=40, backend="triton"),
+    "llama3-causal-hdimv-triton": dict(kind="llama3", causal=True, dtype="float32", docs=(5, 9, 0, 2), heads=(2, 1),
+                                       hdim=40, hdim_v=16, stride=1, backend="triton"),
 }
 
 
@@ -220,14 +243,14 @@ def _inputs(case, world: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     nheads, nheads_k = case["heads"]
     dtype = getattr(torch, case["dtype"])
-    hdim = case["hdim"]
+    hdim, hdim_v = case["hdim"], case.get("hdim_v", case["hdim"])  # v (and out, dout) may have a head dim of its own
     if case["kind"] in ("contiguous", "zigzag"):
         lead = (case["batch"], case["seqlen"] * world)
     else:
         lead = (sum(_doc_lengths(case, world)),)
     q = _randn(lead + (nheads, hdim), g, dtype)
-    k, v = (_randn(lead + (nheads_k, hdim), g, dtype) for _ in range(2))
-    dout = _randn(lead + (nheads, hdim), g, dtype)
+    k, v = _randn(lead + (nheads_k, hdim), g, dtype), _randn(lead + (nheads_k, hdim_v), g, dtype)
+    dout = _randn(lead + (nheads, hdim_v), g, dtype)
     slopes = torch.rand(nheads, generator=g) * 0.5 + 0.1 if case.get("alibi") else None
     sink = torch.randn(nheads, generator=g) if case.get("sink") else None
     lse_shape = (lead[0], nheads, lead[1]) if len(lead) == 2 else (nheads, lead[0])

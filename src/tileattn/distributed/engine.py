@@ -15,6 +15,10 @@ Traffic and passes over memory, kept low:
 * the running state is fp32; the first call over every row writes it directly (both backends
   store into an output of another dtype), later ones are merged in place (``merge_into``).
 
+A shard's keys and values travel as one message (``Shard``): stacked, (2, ...), when they share a
+shape, else side by side on the last axis, (..., headdim + headdim_v), when v has a head dim of
+its own; the running output and dv then have headdim_v, dq and dk headdim.
+
 Backward (the FlashAttention trick, per call): with the FINAL output O and LSE, a call's
 probabilities are ``P = exp(S - lse)`` and ``delta = rowsum(dO * O)`` is the same for every
 call, so each call's (dq, dk, dv) is exactly its share of the gradient. The shards travel
@@ -39,7 +43,7 @@ from ..ops.backend import backend_for
 from ..ops.merge import merge_into
 from .comm import Peers
 
-__all__ = ["Call", "ring_fwd", "ring_bwd", "sink_grad"]
+__all__ = ["Call", "Shard", "ring_fwd", "ring_bwd", "sink_grad"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,25 @@ class Plan:
                 if s == 0 or any(self.calls(r, (r - s) % world_size) for r in range(world_size))]
 
 
+class Shard:
+    """How a shard's k and v share one tensor (one message per step): stacked (2, ..., headdim)
+    when they have one shape, else concatenated on the last axis (..., headdim + headdim_v), v
+    having a head dim of its own. ``axis`` is the token axis of that tensor."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, packed: bool):
+        self.stacked = k.shape == v.shape
+        self.headdim = k.shape[-1]
+        token_axis = 0 if packed else 1
+        self.axis = token_axis + 1 if self.stacked else token_axis
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.stack([k, v]) if self.stacked else torch.cat([k, v], -1)
+
+    def split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) views of a packed shard, or of its gradient."""
+        return (kv[0], kv[1]) if self.stacked else (kv[..., :self.headdim], kv[..., self.headdim:])
+
+
 def _take(x: torch.Tensor, rows, axis: int) -> torch.Tensor:
     if isinstance(rows, slice):
         return x.narrow(axis, rows.start, rows.stop - rows.start)
@@ -94,12 +117,12 @@ def _one_doc(call: Call, packed: bool, *tensors):
 
 
 def _fwd_call(backend, call: Call, q, kv, packed: bool, into=None):
-    """One call's (o, lse); written into ``into`` = (out, lse) rows when given (the backends store
-    in the output's dtype, so the ring's fp32 state can be written directly)."""
+    """One call's (o, lse) over ``kv`` = (k, v); written into ``into`` = (out, lse) rows when given
+    (the backends store in the output's dtype, so the ring's fp32 state can be written directly)."""
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
     if into is None:
-        o_c = torch.empty_like(q_c)
+        o_c = q_c.new_empty((*q_c.shape[:-1], v_c.shape[-1]))  # v's head dim
         lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
     else:
         o_c, lse_c = _take(into[0], call.q, axis), _take(into[1], call.q, axis + 1)
@@ -152,11 +175,10 @@ def _narrow(x, span: slice, axis: int):
     return x.narrow(axis, span.start, span.stop - span.start)
 
 
-def _post_kv(peers: Peers, plan: Plan, own, step: int):
-    """Post step ``step``'s exchange: the rows of my shard that rank + step reads go to it, the rows
-    of rank - step's shard that I read come from it."""
+def _post_kv(peers: Peers, plan: Plan, own, axis: int, step: int):
+    """Post step ``step``'s exchange: the rows of my shard ``own`` (token axis ``axis``) that
+    rank + step reads go to it, the rows of rank - step's shard that I read come from it."""
     r, w = peers.rank, peers.world_size
-    axis = 1 if plan.packed else 2  # token axis of a stacked (2, ...) shard
     mine = _span(plan.calls((r + step) % w, r), plan.length)
     theirs = _span(plan.calls(r, (r - step) % w), plan.length)
     send = None if mine is None else _narrow(own, mine, axis).contiguous()
@@ -164,32 +186,34 @@ def _post_kv(peers: Peers, plan: Plan, own, step: int):
     return peers.exchange(send, r + step, recv, r - step, tag=step)
 
 
-def _post_grad(peers: Peers, plan: Plan, own, grad, step: int):
+def _post_grad(peers: Peers, plan: Plan, own, axis: int, grad, step: int):
     """Return ``grad`` (the gradient of the rows of rank - step's shard that I read, or None) to its
     owner; the gradient of the rows of mine that rank + step read comes back from it."""
     r, w = peers.rank, peers.world_size
     mine = _span(plan.calls((r + step) % w, r), plan.length)
-    recv = None if mine is None else _narrow(own, mine, 1 if plan.packed else 2)
+    recv = None if mine is None else _narrow(own, mine, axis)
     return peers.exchange(grad, r - step, recv, r + step, tag=w + step)
 
 
 def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
-    """(out in q's dtype, lse fp32) of this rank's queries over every rank's keys/values; learnable
-    sinks ``sink`` (nheads,) merged once into the final state."""
+    """(out in q's dtype with v's head dim, lse fp32) of this rank's queries over every rank's
+    keys/values; learnable sinks ``sink`` (nheads,) merged once into the final state."""
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), device=q.device, dtype=torch.float32)
     lse = torch.empty(_lse_shape(q, plan.packed), device=q.device, dtype=torch.float32)
     fresh = True  # nothing merged yet: a first call over every row writes the state directly
-    own = torch.stack([k, v])  # one message per step
+    shard = Shard(k, v, plan.packed)
+    own = shard.pack(k, v)  # one message per step
     steps = plan.steps(peers.world_size)
     incoming = None
     for i, step in enumerate(steps):
         current = incoming
         if i + 1 < len(steps):  # the next shard travels while this one is used
-            incoming = _post_kv(peers, plan, own, steps[i + 1])
+            incoming = _post_kv(peers, plan, own, shard.axis, steps[i + 1])
         calls = plan.calls(peers.rank, (peers.rank - step) % peers.world_size)
         kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
+        kv = None if kv is None else shard.split(kv)  # None: nothing read from src
         for call in calls:
             call = replace(call, kv=_within(call.kv, span))
             if fresh and _whole(call.q, q.shape[axis]):
@@ -230,8 +254,8 @@ def sink_grad(dout, out, lse, dlse, sink):
 
 def _bwd_call(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, deterministic: bool, dq_into=None,
               dkv_into=None):
-    """One call's (dq, dk, dv), written into ``dq_into`` / ``dkv_into`` (query rows / key rows of the
-    call) when given."""
+    """One call's (dq, dk, dv) over ``kv`` = (k, v), written into ``dq_into`` / ``dkv_into`` = (dk, dv)
+    (query rows / key rows of the call) when given."""
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
     dq_c = torch.empty_like(q_c) if dq_into is None else _take(dq_into, call.q, axis)
@@ -263,20 +287,21 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
     r, w = peers.rank, peers.world_size
-    own = torch.stack([k, v])
+    shard = Shard(k, v, plan.packed)
+    own = shard.pack(k, v)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dkv = torch.empty(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard
+    dkv = torch.empty(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard, packed alike
     fresh_q = fresh_kv = True
     steps = plan.steps(w)
     incoming, returning = None, None
     for i, step in enumerate(steps):
         current = incoming
         if i + 1 < len(steps):  # the next shard travels while this one is used
-            incoming = _post_kv(peers, plan, own, steps[i + 1])
+            incoming = _post_kv(peers, plan, own, shard.axis, steps[i + 1])
         calls = plan.calls(r, (r - step) % w)
         kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
         grad = None  # the gradient of the received rows, to return (step > 0)
-        direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[axis + 1])
+        direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[shard.axis])
         if direct_grad:
             grad = torch.empty_like(kv)  # written by the call, in the inputs' dtype
         elif step > 0 and calls:
@@ -295,29 +320,31 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
                 target = dkv if direct_kv else None
             else:
                 target = grad if direct_grad else None
-            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, dlse, plan.packed, deterministic,
-                                         dq_into=dq if direct_q else None, dkv_into=target)
+            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, shard.split(kv), out, lse, dlse, plan.packed,
+                                         deterministic, dq_into=dq if direct_q else None,
+                                         dkv_into=None if target is None else shard.split(target))
             if not direct_q:
                 _add_rows(dq, call.q, dq_c, axis)
             if target is None:
-                acc = dkv if step == 0 else grad
-                _add_rows(acc[0], call.kv, dk_c, axis)
-                _add_rows(acc[1], call.kv, dv_c, axis)
+                acc_k, acc_v = shard.split(dkv if step == 0 else grad)
+                _add_rows(acc_k, call.kv, dk_c, axis)
+                _add_rows(acc_v, call.kv, dv_c, axis)
         if step == 0:
             if fresh_kv:
                 dkv.zero_()
                 fresh_kv = False
             continue
         # the gradient of src's rows goes back to src (in the inputs' dtype); mine come back from rank + step
-        back = _post_grad(peers, plan, own, None if grad is None else grad.to(own.dtype), step)
+        back = _post_grad(peers, plan, own, shard.axis, None if grad is None else grad.to(own.dtype), step)
         if returning is not None:
             _add_returned(dkv, *returning)
-        returning = (back, _span(plan.calls((r + step) % w, r), plan.length), axis + 1)
+        returning = (back, _span(plan.calls((r + step) % w, r), plan.length), shard.axis)
     if returning is not None:
         _add_returned(dkv, *returning)
     if fresh_q:
         dq.zero_()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = shard.split(dkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _add_returned(dkv, transfer, span, axis: int) -> None:

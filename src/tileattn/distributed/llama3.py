@@ -275,7 +275,7 @@ def llama3_fwd(q, k, v, plan: Llama3Plan, peers, alibi=None, sink=None):
     key/value buffers are kept for the backward (no second transfer)."""
     backend = backend_for(q.device)
     g = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     posted = [_post_kv(plan, k, v, c, peers) for c in range(len(plan.chunks))]
     everything = slice(0, q.shape[1])
@@ -395,7 +395,8 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     sooner, larger makes fewer, larger calls).
     ``causal`` and ``window_size`` act on positions inside each document. ``alibi_slopes`` fp32
     (nheads,) or (num_local_sequences, nheads) where no sequence's keys run past its queries
-    (always with causal=True). Returns out (total_local, nheads, headdim), or with
+    (always with causal=True). v may have a head dim of its own, headdim_v (out and dv have it).
+    Returns out (total_local, nheads, headdim_v), or with
     ``return_attn_probs`` ``(out, softmax_lse (nheads, total_local) fp32, None)``. Arguments as
     in ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
     its gradient is this rank's rows' share, summed across ranks like any replicated parameter's)
@@ -408,7 +409,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     come before it), so dropout needs ``cu_seqlens`` (keyword, tileattn's addition): the global
     offsets given to ``llama3_flash_attn_prepare_cu_seqlens``.
     """
-    V.check_qkv(q, k, v, packed=True)
+    V.check_qkv(q, k, v, packed=True, headdim_v=True)
     if k.shape[0] != q.shape[0]:
         V.fail(ValueError, f"{_NAME}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
                            f"and {k.shape[0]}")

@@ -19,6 +19,11 @@ the local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)). D
 q, k, v; every rank must call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0.
 Runs on gloo (CPU tensors) and NCCL (CUDA).
 
+v may have a head dim of its own, headdim_v (MLA trains with q/k of 192 and v of 128): the
+output and dv have it, dq and dk q/k's. (The ``_kvpacked`` / ``_qkvpacked`` forms take one head
+dim, as their packing does.) Gradients on the Triton backend take head dims up to 256, as for
+the single-GPU calls (a clear error before anything runs otherwise); the CPU tiles take any.
+
 ``learnable_sink`` ((nheads,) fp32, tileattn's addition) joins each row's softmax once: the
 ring merges it into the final state. Its gradient is this rank's rows' share (sum it across the
 ranks as for any replicated parameter). The returned LSE is differentiable: a gradient reaching
@@ -183,7 +188,7 @@ def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size,
 
 def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
                 return_attn_probs, group, softcap, learnable_sink):
-    V.check_qkv(q, k, v, packed=False)
+    V.check_qkv(q, k, v, packed=False, headdim_v=True)
     if k.shape[:2] != q.shape[:2]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same (batch, seqlen_local), got "
                            f"{tuple(q.shape[:2])} and {tuple(k.shape[:2])}")
@@ -282,7 +287,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
 
 def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal, window_size,
                  alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink):
-    V.check_qkv(q, k, v, packed=True)
+    V.check_qkv(q, k, v, packed=True, headdim_v=True)
     if k.shape[0] != q.shape[0]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
                            f"and {k.shape[0]}")

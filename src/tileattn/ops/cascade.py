@@ -20,10 +20,14 @@ block_size, nheads_k, headdim) holds the prefix's blocks, ``prefix_block_table``
 can replay with other values), and each request's own blocks, ``block_table`` (batch,
 max_blocks) int32 with ``cache_seqlens`` (batch,) int32 keys after the prefix. New ``k``, ``v``
 (batch, seqlen_new, nheads_k, headdim) are appended to each suffix first, as
-``flash_attn_with_kvcache`` does. Causal is aligned bottom-right on the whole sequence: query i
-of request b sits at position prefix_len + L_b - seqlen_q + i (L_b its suffix length after the
-append), so the queries must lie in the suffix (L_b >= seqlen_q). Sliding windows and ALiBi
-depend on positions inside the prefix and are not offered; softcap is.
+``flash_attn_with_kvcache`` does. ``v_cache`` (and ``v``) may have a head dim of its own,
+headdim_v (the output, both partial states and their merge have it too), also as MLA's latent
+pool, ``v_cache = k_cache[..., :headdim_v]`` (keys and values in one storage).
+
+Causal is aligned bottom-right on the whole sequence: query i of request b sits at position
+prefix_len + L_b - seqlen_q + i (L_b its suffix length after the append), so the queries must
+lie in the suffix (L_b >= seqlen_q). Sliding windows and ALiBi depend on positions inside the
+prefix and are not offered; softcap is.
 
 An FP8 pool (float8_e4m3fn, ``tileattn.ops.fp8``) takes ``k_descale``/``v_descale`` (batch,
 nheads_k) for the requests' own keys (new k, v are quantised with them) and
@@ -47,7 +51,7 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
                               return_softmax_lse=False, k_descale=None, v_descale=None, prefix_k_descale=None,
                               prefix_v_descale=None):
     """Attention of each request over a shared prefix and its own suffix, the prefix read once for
-    all requests. Returns out (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)`` with
+    all requests. Returns out (batch, seqlen_q, nheads, headdim_v), or ``(out, softmax_lse)`` with
     lse (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``.
 
     Equal to ``flash_attn_with_kvcache`` over a block table whose rows are the prefix's blocks
@@ -55,8 +59,9 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
     """
     # Every check first: nothing is appended before all arguments passed.
     V.check_flags(causal=causal, return_softmax_lse=return_softmax_lse)
-    V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
+    V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = v_cache.shape[-1]
     k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     prefix_k_descale, prefix_v_descale = V.check_descales(k_cache, q, prefix_k_descale, prefix_v_descale, 1,
                                                           prefix="prefix_", v_cache=v_cache)
@@ -86,15 +91,15 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
     q = V.last_dim_contiguous(q)
     # the prefix: every request's query rows as the rows of one sequence, an fp32 partial state
     rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
-    o_p = torch.empty(rows.shape, dtype=torch.float32, device=q.device)
+    o_p = torch.empty((*rows.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
     o_p, lse_p = attention(rows, k_cache, v_cache, prefix_params, max_seqlen_q=batch * seqlen_q,
                            max_seqlen_k=prefix_table.shape[1] * block_size, seqused_k=prefix_used,
                            block_table=prefix_table, num_splits=num_splits, out=o_p, k_descale=prefix_k_descale,
                            v_descale=prefix_v_descale)
-    o_p = o_p.view(batch, seqlen_q, nheads, headdim)
+    o_p = o_p.view(batch, seqlen_q, nheads, headdim_v)
     lse_p = lse_p.view(nheads, batch, seqlen_q).transpose(0, 1)  # (batch, nheads, seqlen_q)
     # each request's own keys, causal within them
-    o_s = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    o_s = torch.empty((*q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
     o_s, lse_s = attention(q, k_cache, v_cache, params, max_seqlen_q=seqlen_q, max_seqlen_k=capacity,
                            seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_s,
                            k_descale=k_descale, v_descale=v_descale)

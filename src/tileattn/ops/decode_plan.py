@@ -18,6 +18,12 @@ layer's tensors with the planned shapes and launches: the append of the new keys
 when asked) and attention, no host-device synchronisation, so a step can be captured in a
 CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
 planned: ``cache_batch_idx``, ``cache_leftpad`` (use ``flash_attn_with_kvcache``).
+
+``v_cache`` (and each layer's new ``v``) may have a head dim of its own, headdim_v, as for
+``flash_attn_with_kvcache``; the output has it too. MLA's latent cache, ``v_cache =
+k_cache[..., :headdim_v]`` (keys and values in one storage), is planned as such: every layer's
+v_cache must then be that view of its k_cache (the Triton plan reads the value tile from the key
+tile, and the append writes the latent once), and a layer whose v_cache is not is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .backend import backend_for, backend_name
-from .kvcache import _append
+from .kvcache import _append, _is_prefix_view
 
 __all__ = ["DecodePlan"]
 
@@ -37,8 +43,9 @@ class DecodePlan:
 
     ``q``, ``k_cache``, ``v_cache`` are any one layer's (their shapes, strides, dtype and device
     are what every layer's must have); ``seqlen_new`` is how many tokens each layer appends
-    (0: none), each layer passing ``k``, ``v`` of shape (batch, seqlen_new, nheads_k, headdim).
-    The other arguments mean what they mean to ``flash_attn_with_kvcache``.
+    (0: none), each layer passing ``k`` of shape (batch, seqlen_new, nheads_k, headdim) and ``v``
+    of shape (batch, seqlen_new, nheads_k, headdim_v) (v_cache's head dim). The other arguments
+    mean what they mean to ``flash_attn_with_kvcache``.
     """
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
@@ -47,7 +54,7 @@ class DecodePlan:
                  k_descale=None, v_descale=None):
         # the checks of flash_attn_with_kvcache, once for the step (the new k, v: in ``run``)
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
-        V.check_qkv(q, k_cache, v_cache, packed=False, cache=True)
+        V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
@@ -70,11 +77,12 @@ class DecodePlan:
         self.return_softmax_lse, self.num_splits, self.capacity = return_softmax_lse, num_splits, capacity
         q = V.last_dim_contiguous(q)
         self._shapes = self._signature(q, k_cache, v_cache)
-        self._new_shape = (batch, seqlen_new, *k_cache.shape[2:])
+        self._new_shapes = {"k": (batch, seqlen_new, *k_cache.shape[2:]), "v": (batch, seqlen_new, *v_cache.shape[2:])}
+        self._out_shape = (*q.shape[:-1], v_cache.shape[-1])  # v's head dim
         self._lse_shape = (batch, q.shape[2], q.shape[1])
         self._fwd = self._workspace = None
         if backend_name(q.device) == "triton":
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
+            out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
             self._fwd = backend_for(q.device).plan_fwd(
                 q, k_cache, v_cache, out, lse, params=self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
@@ -84,11 +92,13 @@ class DecodePlan:
 
     @staticmethod
     def _signature(q, k_cache, v_cache) -> tuple:
-        return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
-                k_cache.dtype, v_cache.dtype)
+        # whether v_cache is k_cache's leading columns (MLA's latent) is part of it: the plan reads
+        # the value tile from the key tile then, and the append writes the latent once
+        return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
+                v_cache.stride(), k_cache.dtype, v_cache.dtype, _is_prefix_view(v_cache, k_cache))
 
     def run(self, q, k_cache, v_cache, k=None, v=None):
-        """One layer's attention: out (batch, seqlen_q, nheads, headdim), or ``(out, lse)``.
+        """One layer's attention: out (batch, seqlen_q, nheads, headdim_v), or ``(out, lse)``.
 
         q and the caches must have the shapes, strides, dtype and device the plan was made with;
         ``k``, ``v`` are the layer's new keys and values when the plan has ``seqlen_new > 0``.
@@ -96,12 +106,14 @@ class DecodePlan:
         q = V.last_dim_contiguous(q)
         if self._signature(q, k_cache, v_cache) != self._shapes:
             V.fail(ValueError, "q, k_cache, v_cache differ from the tensors the plan was made with (shape, strides, "
-                               "dtype or device): make a new DecodePlan")
+                               "dtype, device, or whether v_cache is a view of k_cache's leading columns): make a "
+                               "new DecodePlan")
         if self.seqlen_new:
             for name, t in (("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._new_shape or t.dtype != self._new_dtype \
+                want = self._new_shapes[name]
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != self._new_dtype \
                         or t.device != k_cache.device:
-                    V.fail(ValueError, f"the plan appends {name} of shape {self._new_shape} ({self._new_dtype}, "
+                    V.fail(ValueError, f"the plan appends {name} of shape {want} ({self._new_dtype}, "
                                        f"{k_cache.device}), got {getattr(t, 'shape', t)}")
             cos, sin, interleaved, per_token_q = self.rotary
             q, _ = _append(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, cos, sin, interleaved,
@@ -109,7 +121,7 @@ class DecodePlan:
         elif k is not None or v is not None:
             V.fail(ValueError, "the plan was made with seqlen_new=0: it appends no k, v")
         if self._fwd is not None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
             self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, None, None, self.seqused_k,
                           self.block_table, self._workspace, k_descale=self.descales[0], v_descale=self.descales[1])
