@@ -23,8 +23,10 @@ Backward (the FlashAttention trick, per call): with the FINAL output O and LSE, 
 probabilities are ``P = exp(S - lse)`` and ``delta = rowsum(dO * O)`` is the same for every
 call, so each call's (dq, dk, dv) is exactly its share of the gradient. The shards travel
 again; dq accumulates locally in fp32; the gradient of a borrowed shard (written by the call
-itself when one call covers it, else summed in fp32) goes straight back to its owner in the
-inputs' dtype, and the owner adds the returns in step order (deterministic).
+itself when one call covers it, else summed in fp32) goes straight back to its owner in fp32,
+and the owner adds the returns in step order (deterministic). Every partial state and partial
+gradient stays fp32 until the one rounding to the inputs' dtype at the end, as in one call (the
+returned gradients thus travel at 4 bytes an element: twice the inputs' 2 in bf16).
 
 A plan gives, per (rank, src), a list of ``Call``: the local query rows, the held key rows,
 the moved window (``plan.window_pair``) and, for packed batches, the ``cu_seqlens`` of the
@@ -122,7 +124,9 @@ def _fwd_call(backend, call: Call, q, kv, packed: bool, into=None):
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
     if into is None:
-        o_c = q_c.new_empty((*q_c.shape[:-1], v_c.shape[-1]))  # v's head dim
+        # fp32 like the running state it is merged into: a partial output rounded to q's dtype
+        # first would carry two roundings into the result where one call has one
+        o_c = q_c.new_empty((*q_c.shape[:-1], v_c.shape[-1]), dtype=torch.float32)  # v's head dim
         lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
     else:
         o_c, lse_c = _take(into[0], call.q, axis), _take(into[1], call.q, axis + 1)
@@ -186,12 +190,13 @@ def _post_kv(peers: Peers, plan: Plan, own, axis: int, step: int):
     return peers.exchange(send, r + step, recv, r - step, tag=step)
 
 
-def _post_grad(peers: Peers, plan: Plan, own, axis: int, grad, step: int):
-    """Return ``grad`` (the gradient of the rows of rank - step's shard that I read, or None) to its
-    owner; the gradient of the rows of mine that rank + step read comes back from it."""
+def _post_grad(peers: Peers, plan: Plan, dkv, axis: int, grad, step: int):
+    """Return ``grad`` (the fp32 gradient of the rows of rank - step's shard that I read, or None)
+    to its owner; the gradient of the rows of mine (``dkv``: their fp32 accumulator) that rank +
+    step read comes back from it."""
     r, w = peers.rank, peers.world_size
     mine = _span(plan.calls((r + step) % w, r), plan.length)
-    recv = None if mine is None else _narrow(own, mine, axis)
+    recv = None if mine is None else _narrow(dkv, mine, axis)
     return peers.exchange(grad, r - step, recv, r + step, tag=w + step)
 
 
@@ -258,9 +263,10 @@ def _bwd_call(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, de
     (query rows / key rows of the call) when given."""
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
-    dq_c = torch.empty_like(q_c) if dq_into is None else _take(dq_into, call.q, axis)
+    # fp32 partials: each call's share is added to others before the one rounding at the end
+    dq_c = torch.empty_like(q_c, dtype=torch.float32) if dq_into is None else _take(dq_into, call.q, axis)
     if dkv_into is None:
-        dk_c, dv_c = torch.empty_like(k_c), torch.empty_like(v_c)
+        dk_c, dv_c = torch.empty_like(k_c, dtype=torch.float32), torch.empty_like(v_c, dtype=torch.float32)
     else:
         dk_c, dv_c = _take(dkv_into[0], call.kv, axis), _take(dkv_into[1], call.kv, axis)
     rows = [_take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis), _take(lse, call.q, axis + 1), dq_c,
@@ -303,7 +309,7 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
         grad = None  # the gradient of the received rows, to return (step > 0)
         direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[shard.axis])
         if direct_grad:
-            grad = torch.empty_like(kv)  # written by the call, in the inputs' dtype
+            grad = torch.empty(kv.shape, device=q.device, dtype=torch.float32)  # written by the call
         elif step > 0 and calls:
             grad = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
         for call in calls:
@@ -334,8 +340,10 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
                 dkv.zero_()
                 fresh_kv = False
             continue
-        # the gradient of src's rows goes back to src (in the inputs' dtype); mine come back from rank + step
-        back = _post_grad(peers, plan, own, shard.axis, None if grad is None else grad.to(own.dtype), step)
+        # the gradient of src's rows goes back to src in fp32 (rounded once, by its owner, at the
+        # end: in the inputs' dtype a returned partial that the owner's own share largely cancels
+        # would carry that dtype's error of the partial); mine come back from rank + step
+        back = _post_grad(peers, plan, dkv, shard.axis, grad, step)
         if returning is not None:
             _add_returned(dkv, *returning)
         returning = (back, _span(plan.calls((r + step) % w, r), plan.length), shard.axis)
