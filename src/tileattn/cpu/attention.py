@@ -290,6 +290,10 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         out4.zero_()
         lse3.copy_(torch.full_like(lse3, float("-inf")) if sink is None else sink.view(1, H, 1).expand_as(lse3))
         return
+    if (num_splits == 1 and slopes is None and params.dropout_p == 0 and 1 <= Sq <= block_m and 1 <= Sk <= block_n
+            and B * H * Sq * Sk <= tile_elems and not _has_empty_rows(params, Sq, Sk)):
+        _fwd_whole(params, q4, k4, v4, out4, lse3, sink)
+        return
     acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
@@ -323,6 +327,85 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         _add_sink(o_buf, lse_buf, sink, B)
     out4.copy_(o_buf.view(B, H, Sq, Dv).transpose(1, 2))
     lse3.copy_(lse_buf.view(B, H, Sq))
+
+
+def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
+    """Whether some query row sees no key at all (its window lies outside 0 .. Sk - 1). The
+    window of row i is [i + off - left, i + off + right]: row 0 has the smallest right end,
+    row Sq - 1 the largest left end."""
+    off = Sk - Sq + params.diag_shift
+    return ((params.window_right >= 0 and off + params.window_right < 0)
+            or (params.window_left >= 0 and Sq - 1 + off - params.window_left > Sk - 1))
+
+
+_BIAS_CACHE: dict = {}
+
+
+def _window_bias(params: AttnParams, Sq, Sk, acc):
+    """The window as an additive [Sq, Sk] tile, 0 where query i sees key j and -inf elsewhere, or
+    None when every pair is inside the window; kept per shape (decoding and prefill repeat them)."""
+    left, right = params.window_left, params.window_right
+    off = Sk - Sq + params.diag_shift
+    if not ((right >= 0 and Sk - 1 > off + right) or (left >= 0 and 0 < Sq - 1 + off - left)):
+        return None
+    key = (Sq, Sk, off, left, right, acc)
+    bias = _BIAS_CACHE.get(key)
+    if bias is None:
+        rows = torch.arange(Sq).view(-1, 1) + off
+        cols = torch.arange(Sk).view(1, -1)
+        hidden = torch.zeros(Sq, Sk, dtype=torch.bool)
+        if right >= 0:
+            hidden |= cols > rows + right
+        if left >= 0:
+            hidden |= cols < rows - left
+        bias = torch.zeros(Sq, Sk, dtype=acc).masked_fill_(hidden, float("-inf"))
+        if len(_BIAS_CACHE) >= 64:
+            _BIAS_CACHE.clear()
+        _BIAS_CACHE[key] = bias
+    return bias
+
+
+def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
+    """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
+    ALiBi or dropout (decoding, short prefills): the recurrence's single step on the whole
+    [B*Hk, G*Sq, Sk] score tile in a handful of ops, with no staging copies. The q, k, v views
+    go to the batched matmuls as they are (bmm takes their strides), the window is one add of
+    a cached -inf/0 tile, and the division by l writes (and casts) straight into ``out``::
+
+        s = qscale q k^T (+ bias);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
+        out = (p v) / l;            lse = ln(2) m + log l
+    """
+    B, Sq, H, D = q4.shape
+    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    G, BH = H // Hk, B * Hk
+    acc = _acc_dtype(q4.dtype)
+    cap = params.softcap
+    # rows (g, i) of key head hk: the [B*Hk, G*Sq, D] layout whose rows are those of head hk * G + g
+    if Sq == 1:
+        qh = q4.reshape(BH, G, D)
+    else:
+        qh = q4.view(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(BH, G * Sq, D)
+    kh = k4.permute(0, 2, 3, 1).reshape(BH, D, Sk)  # [B*Hk, D, Sk]
+    vh = v4.transpose(1, 2).reshape(BH, Sk, Dv)  # [B*Hk, Sk, Dv]
+    if q4.dtype != acc:
+        qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
+    if cap > 0:
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
+    else:
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale * LOG2E)  # [B*Hk, G*Sq, Sk], log2 units
+    bias = _window_bias(params, Sq, Sk, acc)
+    if bias is not None:
+        s.view(BH, G, Sq, Sk).add_(bias)
+    m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
+    p = s.sub_(m).exp2_()
+    l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
+        sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
+        l.add_((sink2 - m).exp2_())
+    o = torch.bmm(p, vh)  # [B*Hk, G*Sq, Dv]
+    torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
+              out=out4.view(B, Sq, Hk, G, Dv))
+    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
 
 
 def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
