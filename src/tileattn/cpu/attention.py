@@ -81,6 +81,30 @@ class _Batch:
             return [slice(0, self.nbatch)]
         return [slice(b, b + 1) for b in range(self.nbatch)]
 
+    def uniform(self):
+        """(Sq, Sk) when packed sequences all have Sq queries and Sk keys, laid out back to
+        back (cu_seqlens in equal steps, no seqused_k or block table), else None: the batch
+        is then a dense one, and :meth:`dense` views it so."""
+        if self.cu_q is None or self.cu_k is None or self.used is not None or self.table is not None:
+            return None
+        cq, ck, nb = self.cu_q, self.cu_k, self.nbatch
+        sq, sk = cq[1] - cq[0], ck[1] - ck[0]
+        if cq[nb] - cq[0] != nb * sq or ck[nb] - ck[0] != nb * sk:
+            return None
+        if any(cq[b] != cq[0] + b * sq or ck[b] != ck[0] + b * sk for b in range(2, nb)):
+            return None
+        return sq, sk
+
+    def dense(self, x, lengths, keys=False):
+        """Packed (T, ...) of a uniform batch -> its (nb, S, ...) view; lengths = uniform()."""
+        c0, n = (self.cu_k[0], lengths[1]) if keys else (self.cu_q[0], lengths[0])
+        return x[c0:c0 + self.nbatch * n].view((self.nbatch, n) + x.shape[1:])
+
+    def dense_lse(self, lse, lengths):
+        """Packed LSE (H, Tq) of a uniform batch -> its (nb, H, Sq) view."""
+        c0, n = self.cu_q[0], lengths[0]
+        return lse[:, c0:c0 + self.nbatch * n].view(lse.shape[0], self.nbatch, n).transpose(0, 1)
+
     def rows(self, x, bs):
         """Query-aligned tensor (B, Sq, ...) or packed (Tq, ...) -> (nb, Sq_b, ...) view."""
         if self.cu_q is None:
@@ -444,6 +468,12 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         x = batch.keys(x, bs)
         return x if descale is None else x.to(acc) * descale[bs].to(acc)[:, None, :, None]
 
+    lengths = batch.uniform()
+    if lengths is not None and k_descale is None:  # a packed batch of equal sequences: one dense group
+        _fwd_group(batch.dense(q, lengths), batch.dense(k, lengths, keys=True), batch.dense(v, lengths, keys=True),
+                   batch.dense(out, lengths), batch.dense_lse(lse, lengths), alibi_slopes, learnable_sink, 0, params,
+                   num_splits, block_m, block_n, tile_elems)
+        return
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
         _fwd_group(batch.rows(q, bs), keys(k, k_descale, bs), keys(v, v_descale, bs), batch.rows(out, bs),
