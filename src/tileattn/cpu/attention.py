@@ -460,6 +460,16 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     """
     assert num_splits >= 0, "inputs are validated by tileattn.ops"
     num_splits = max(1, num_splits)
+    if cu_seqlens_q is None and block_table is None and k_descale is None:
+        # a dense batch, or a contiguous cache whose sequences all hold the same number of keys
+        # (one decoding batch in step): one group, with no per-sequence views
+        used = None if seqused_k is None else seqused_k.tolist()
+        if not used or used.count(used[0]) == len(used):
+            if used:
+                k, v = k[:, :used[0]], v[:, :used[0]]
+            _fwd_group(q, k, v, out, lse, alibi_slopes, learnable_sink, 0, params, num_splits, block_m, block_n,
+                       tile_elems)
+            return
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     acc = _acc_dtype(q.dtype)
