@@ -363,6 +363,7 @@ def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
 
 
 _BIAS_CACHE: dict = {}
+_ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
 
 
 def _window_bias(params: AttnParams, Sq, Sk, acc):
@@ -415,8 +416,8 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
     if cap > 0:
         s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
-    else:
-        s = torch.bmm(qh, kh).mul_(params.softmax_scale * LOG2E)  # [B*Hk, G*Sq, Sk], log2 units
+    else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
+        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
     bias = _window_bias(params, Sq, Sk, acc)
     if bias is not None:
         s.view(BH, G, Sq, Sk).add_(bias)
@@ -426,10 +427,19 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
     if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
         sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
         l.add_((sink2 - m).exp2_())
-    o = torch.bmm(p, vh)  # [B*Hk, G*Sq, Dv]
+    if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
+        o = torch.bmm(p, vh, out=out4.view(BH, G, Dv))
+        o.div_(l)
+    else:
+        _div_into_out(torch.bmm(p, vh), l, out4, Hk, G)  # [B*Hk, G*Sq, Dv]
+    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
+
+
+def _div_into_out(o, l, out4, Hk, G):
+    """out4 (B, Sq, H, Dv) = o / l, with o [B*Hk, G*Sq, Dv] and l [B*Hk, G*Sq, 1] in (hk, g, i) rows."""
+    B, Sq, _, Dv = out4.shape
     torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
               out=out4.view(B, Sq, Hk, G, Dv))
-    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
 
 
 def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
