@@ -410,10 +410,13 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
         qh = q4.reshape(BH, G, D)
     else:
         qh = q4.view(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(BH, G * Sq, D)
-    kh = k4.permute(0, 2, 3, 1).reshape(BH, D, Sk)  # [B*Hk, D, Sk]
+    # keys as [B*Hk, Sk, D] (a view for one sequence, else a copy that keeps D innermost: a
+    # transposing copy to [B*Hk, D, Sk] costs three times as much), transposed for bmm as a view
+    kh = k4.transpose(1, 2).reshape(BH, Sk, D)
     vh = v4.transpose(1, 2).reshape(BH, Sk, Dv)  # [B*Hk, Sk, Dv]
     if q4.dtype != acc:
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
+    kh = kh.transpose(1, 2)  # [B*Hk, D, Sk]
     if cap > 0:
         s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
     else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
