@@ -479,7 +479,7 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         used = None if seqused_k is None else seqused_k.tolist()
         if not used or used.count(used[0]) == len(used):
             if used:
-                k, v = k[:, :used[0]], v[:, :used[0]]
+                k, v = k.narrow(1, 0, used[0]), v.narrow(1, 0, used[0])
             _fwd_group(q, k, v, out, lse, alibi_slopes, learnable_sink, 0, params, num_splits, block_m, block_n,
                        tile_elems)
             return
