@@ -38,6 +38,10 @@ which torch evaluates several times faster than ``exp`` on CPUs; the stored lse 
 tiles are transposed (keys first, ``[c, keys, G * rows]``), the layout in which its
 batched matmuls run fastest.
 
+A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
+all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
+torch calls, as their Python and dispatch cost more than the arithmetic there.
+
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
 """
