@@ -38,6 +38,10 @@ which torch evaluates several times faster than ``exp`` on CPUs; the stored lse 
 tiles are transposed (keys first, ``[c, keys, G * rows]``), the layout in which its
 batched matmuls run fastest.
 
+A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
+all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
+torch calls, as their Python and dispatch cost more than the arithmetic there.
+
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
 """
@@ -80,6 +84,30 @@ class _Batch:
         if self.cu_q is None and self.used is None:
             return [slice(0, self.nbatch)]
         return [slice(b, b + 1) for b in range(self.nbatch)]
+
+    def uniform(self):
+        """(Sq, Sk) when packed sequences all have Sq queries and Sk keys, laid out back to
+        back (cu_seqlens in equal steps, no seqused_k or block table), else None: the batch
+        is then a dense one, and :meth:`dense` views it so."""
+        if self.cu_q is None or self.cu_k is None or self.used is not None or self.table is not None:
+            return None
+        cq, ck, nb = self.cu_q, self.cu_k, self.nbatch
+        sq, sk = cq[1] - cq[0], ck[1] - ck[0]
+        if cq[nb] - cq[0] != nb * sq or ck[nb] - ck[0] != nb * sk:
+            return None
+        if any(cq[b] != cq[0] + b * sq or ck[b] != ck[0] + b * sk for b in range(2, nb)):
+            return None
+        return sq, sk
+
+    def dense(self, x, lengths, keys=False):
+        """Packed (T, ...) of a uniform batch -> its (nb, S, ...) view; lengths = uniform()."""
+        c0, n = (self.cu_k[0], lengths[1]) if keys else (self.cu_q[0], lengths[0])
+        return x[c0:c0 + self.nbatch * n].view((self.nbatch, n) + x.shape[1:])
+
+    def dense_lse(self, lse, lengths):
+        """Packed LSE (H, Tq) of a uniform batch -> its (nb, H, Sq) view."""
+        c0, n = self.cu_q[0], lengths[0]
+        return lse[:, c0:c0 + self.nbatch * n].view(lse.shape[0], self.nbatch, n).transpose(0, 1)
 
     def rows(self, x, bs):
         """Query-aligned tensor (B, Sq, ...) or packed (Tq, ...) -> (nb, Sq_b, ...) view."""
@@ -290,6 +318,10 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         out4.zero_()
         lse3.copy_(torch.full_like(lse3, float("-inf")) if sink is None else sink.view(1, H, 1).expand_as(lse3))
         return
+    if (num_splits == 1 and slopes is None and params.dropout_p == 0 and 1 <= Sq <= block_m and 1 <= Sk <= block_n
+            and B * H * Sq * Sk <= tile_elems and not _has_empty_rows(params, Sq, Sk)):
+        _fwd_whole(params, q4, k4, v4, out4, lse3, sink)
+        return
     acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
@@ -325,6 +357,98 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
     lse3.copy_(lse_buf.view(B, H, Sq))
 
 
+def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
+    """Whether some query row sees no key at all (its window lies outside 0 .. Sk - 1). The
+    window of row i is [i + off - left, i + off + right]: row 0 has the smallest right end,
+    row Sq - 1 the largest left end."""
+    off = Sk - Sq + params.diag_shift
+    return ((params.window_right >= 0 and off + params.window_right < 0)
+            or (params.window_left >= 0 and Sq - 1 + off - params.window_left > Sk - 1))
+
+
+_BIAS_CACHE: dict = {}
+_ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
+
+
+def _window_bias(params: AttnParams, Sq, Sk, acc):
+    """The window as an additive [Sq, Sk] tile, 0 where query i sees key j and -inf elsewhere, or
+    None when every pair is inside the window; kept per shape (decoding and prefill repeat them)."""
+    left, right = params.window_left, params.window_right
+    off = Sk - Sq + params.diag_shift
+    if not ((right >= 0 and Sk - 1 > off + right) or (left >= 0 and 0 < Sq - 1 + off - left)):
+        return None
+    key = (Sq, Sk, off, left, right, acc)
+    bias = _BIAS_CACHE.get(key)
+    if bias is None:
+        rows = torch.arange(Sq).view(-1, 1) + off
+        cols = torch.arange(Sk).view(1, -1)
+        hidden = torch.zeros(Sq, Sk, dtype=torch.bool)
+        if right >= 0:
+            hidden |= cols > rows + right
+        if left >= 0:
+            hidden |= cols < rows - left
+        bias = torch.zeros(Sq, Sk, dtype=acc).masked_fill_(hidden, float("-inf"))
+        if len(_BIAS_CACHE) >= 64:
+            _BIAS_CACHE.clear()
+        _BIAS_CACHE[key] = bias
+    return bias
+
+
+def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
+    """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
+    ALiBi or dropout (decoding, short prefills): the recurrence's single step on the whole
+    [B*Hk, G*Sq, Sk] score tile in a handful of ops, with no staging copies. The q, k, v views
+    go to the batched matmuls as they are (bmm takes their strides), the window is one add of
+    a cached -inf/0 tile, and the division by l writes (and casts) straight into ``out``::
+
+        s = qscale q k^T (+ bias);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
+        out = (p v) / l;            lse = ln(2) m + log l
+    """
+    B, Sq, H, D = q4.shape
+    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    G, BH = H // Hk, B * Hk
+    acc = _acc_dtype(q4.dtype)
+    cap = params.softcap
+    # rows (g, i) of key head hk: the [B*Hk, G*Sq, D] layout whose rows are those of head hk * G + g
+    if Sq == 1:
+        qh = q4.reshape(BH, G, D)
+    else:
+        qh = q4.view(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(BH, G * Sq, D)
+    # keys as [B*Hk, Sk, D] (a view for one sequence, else a copy that keeps D innermost: a
+    # transposing copy to [B*Hk, D, Sk] costs three times as much), transposed for bmm as a view
+    kh = k4.transpose(1, 2).reshape(BH, Sk, D)
+    vh = v4.transpose(1, 2).reshape(BH, Sk, Dv)  # [B*Hk, Sk, Dv]
+    if q4.dtype != acc:
+        qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
+    kh = kh.transpose(1, 2)  # [B*Hk, D, Sk]
+    if cap > 0:
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
+    else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
+        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
+    bias = _window_bias(params, Sq, Sk, acc)
+    if bias is not None:
+        s.view(BH, G, Sq, Sk).add_(bias)
+    m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
+    p = s.sub_(m).exp2_()
+    l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
+        sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
+        l.add_((sink2 - m).exp2_())
+    if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
+        o = torch.bmm(p, vh, out=out4.view(BH, G, Dv))
+        o.div_(l)
+    else:
+        _div_into_out(torch.bmm(p, vh), l, out4, Hk, G)  # [B*Hk, G*Sq, Dv]
+    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
+
+
+def _div_into_out(o, l, out4, Hk, G):
+    """out4 (B, Sq, H, Dv) = o / l, with o [B*Hk, G*Sq, Dv] and l [B*Hk, G*Sq, 1] in (hk, g, i) rows."""
+    B, Sq, _, Dv = out4.shape
+    torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
+              out=out4.view(B, Sq, Hk, G, Dv))
+
+
 def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
     """``_fwd_group`` when the whole problem is one tile (small problems: decoding, short
     prefills): the same recurrence, one step of it, without the staging buffers the general
@@ -353,6 +477,16 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     """
     assert num_splits >= 0, "inputs are validated by tileattn.ops"
     num_splits = max(1, num_splits)
+    if cu_seqlens_q is None and block_table is None and k_descale is None:
+        # a dense batch, or a contiguous cache whose sequences all hold the same number of keys
+        # (one decoding batch in step): one group, with no per-sequence views
+        used = None if seqused_k is None else seqused_k.tolist()
+        if not used or used.count(used[0]) == len(used):
+            if used:
+                k, v = k.narrow(1, 0, used[0]), v.narrow(1, 0, used[0])
+            _fwd_group(q, k, v, out, lse, alibi_slopes, learnable_sink, 0, params, num_splits, block_m, block_n,
+                       tile_elems)
+            return
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     acc = _acc_dtype(q.dtype)
@@ -361,6 +495,12 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         x = batch.keys(x, bs)
         return x if descale is None else x.to(acc) * descale[bs].to(acc)[:, None, :, None]
 
+    lengths = batch.uniform()
+    if lengths is not None and k_descale is None:  # a packed batch of equal sequences: one dense group
+        _fwd_group(batch.dense(q, lengths), batch.dense(k, lengths, keys=True), batch.dense(v, lengths, keys=True),
+                   batch.dense(out, lengths), batch.dense_lse(lse, lengths), alibi_slopes, learnable_sink, 0, params,
+                   num_splits, block_m, block_n, tile_elems)
+        return
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
         _fwd_group(batch.rows(q, bs), keys(k, k_descale, bs), keys(v, v_descale, bs), batch.rows(out, bs),

@@ -111,7 +111,31 @@ def _real(value) -> bool:
 
 
 def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed=0) -> AttnParams:
-    """Normalise the scalar options into AttnParams; causal becomes window_right = 0."""
+    """Normalise the scalar options into AttnParams; causal becomes window_right = 0. Options
+    of exactly the plain Python types that passed before are answered from a small cache
+    (AttnParams is frozen), as every layer of a model repeats them."""
+    key = None
+    if (type(window_size) is tuple and type(causal) is bool and type(softcap) in (float, int)
+            and type(dropout_p) in (float, int) and type(softmax_scale) in (float, int, type(None))
+            and type(dropout_seed) is int and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int):
+        key = (headdim, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed)
+        params = _PARAMS.get(key)
+        if params is not None:
+            return params
+    params = _make_params(headdim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    if key is not None:
+        if len(_PARAMS) >= 256:
+            _PARAMS.clear()
+        _PARAMS[key] = params
+    return params
+
+
+_PARAMS: dict = {}
+
+
+def _make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed) -> AttnParams:
     if softmax_scale is None:
         softmax_scale = headdim**-0.5
     if not _real(softmax_scale):

@@ -20,8 +20,17 @@ __all__ = ["backend_for", "backend_name"]
 
 
 def backend_name(device: torch.device) -> str:
-    """'triton' or 'cpu' for tensors on ``device`` (see the module docstring)."""
-    forced = os.environ.get("TILEATTN_BACKEND", "").strip().lower()
+    """'triton' or 'cpu' for tensors on ``device`` (see the module docstring). The variable is
+    read on every call; the answer for each (value, device type) is kept once it is valid."""
+    raw = os.environ.get("TILEATTN_BACKEND", "")
+    name = _NAMES.get((raw, device.type))
+    if name is None:
+        name = _NAMES[(raw, device.type)] = _backend_name(raw, device)
+    return name
+
+
+def _backend_name(raw: str, device: torch.device) -> str:
+    forced = raw.strip().lower()
     if forced not in ("", "triton", "cpu"):
         raise ValueError(f"TILEATTN_BACKEND must be 'triton' or 'cpu', not {forced!r}")
     if forced:
@@ -49,3 +58,4 @@ def backend_for(device: torch.device):
 
 
 _MODULES: dict = {}
+_NAMES: dict = {}
