@@ -31,6 +31,10 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 
+from interpreter_rounding import round_like_the_gpu  # noqa: E402
+
+round_like_the_gpu()  # the interpreter's bf16 casts round as a GPU's do (see its module)
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

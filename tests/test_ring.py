@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from interpreter_rounding import round_like_the_gpu
 from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
 from tileattn.distributed import (
@@ -436,6 +437,7 @@ def _single_call(case, q, k, v, dout, slopes, sink, dlse, docs, device):
 
 def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
+    round_like_the_gpu()  # a spawned rank does not load conftest
     device = torch.device(device_type, rank if device_type == "cuda" else None)
     if device_type == "cuda":
         torch.cuda.set_device(device)
