@@ -40,7 +40,8 @@ batched matmuls run fastest.
 
 A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
 all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
-torch calls, as their Python and dispatch cost more than the arithmetic there.
+torch calls, as their Python and dispatch cost more than the arithmetic there. Every other
+problem, one tile or many, runs the tiled recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
@@ -157,6 +158,38 @@ def _heads_first(x, acc, scale=1.0):
 # --------------------------------------------------------------------- one score tile
 
 
+def _needs_mask(params: AttnParams, off, i0, i1, j0, j1) -> bool:
+    """Whether some (row, key) pair of the tile rows [i0, i1) x keys [j0, j1) lies outside the
+    window; ``off`` is the diagonal (query i sits at key position i + off)."""
+    left, right = params.window_left, params.window_right
+    return (right >= 0 and j1 - 1 > i0 + off + right) or (left >= 0 and j0 < i1 - 1 + off - left)
+
+
+_BIAS: dict = {}
+
+
+def _window_bias(params: AttnParams, off, i0, i1, j0, j1, acc):
+    """The tile's [rows, keys] window as an additive tile: 0 where the pair is inside, -inf
+    outside. It depends only on the tile's shape and its place relative to the diagonal, so it
+    is built once per such place and kept (decoding and prefills repeat them): building a mask
+    per call, and masked_fill on a broadcast view, cost several times this one add."""
+    left, right = params.window_left, params.window_right
+    key = (i1 - i0, j1 - j0, j0 - i0 - off, left, right, acc)
+    bias = _BIAS.get(key)
+    if bias is None:
+        rows = torch.arange(i1 - i0).view(-1, 1)
+        cols = torch.arange(j1 - j0).view(1, -1) + (j0 - i0 - off)  # key j - (row i's diagonal i + off)
+        hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)
+        if right >= 0:
+            hidden |= cols > rows + right
+        if left >= 0:
+            hidden |= cols < rows - left
+        if len(_BIAS) >= 256:
+            _BIAS.clear()
+        bias = _BIAS[key] = torch.zeros(i1 - i0, j1 - j0, dtype=acc).masked_fill_(hidden, float("-inf"))
+    return bias
+
+
 class _Tiles:
     """Per-call constants and the score tile of (query block, key tile) for a group."""
 
@@ -197,8 +230,7 @@ class _Tiles:
 
     def needs_mask(self, i0, i1, j0, j1):
         """Whether some (row, key) pair of the tile lies outside the window."""
-        left, right = self.p.window_left, self.p.window_right
-        return (right >= 0 and j1 - 1 > i0 + self.off + right) or (left >= 0 and j0 < i1 - 1 + self.off - left)
+        return _needs_mask(self.p, self.off, i0, i1, j0, j1)
 
     def scores(self, q_t, k_t, t0, i0, i1, j0, j1, keep_tanh=False, keys_first=False):
         """Masked scores [c, G * rows, keys] of q_t [c, G * rows, D] against k_t [c, keys, D]
@@ -222,19 +254,13 @@ class _Tiles:
         if self.neg_slopes is None and not masked:
             return s, th
         s4 = s.view(c, n, self.G, i1 - i0).permute(0, 2, 3, 1) if keys_first else s.view(c, self.G, i1 - i0, n)
-        rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
-        cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
         if self.neg_slopes is not None:
+            rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
+            cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
             slopes = self.neg_slopes[t0:t0 + c].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
             s4.addcmul_(slopes, (rows - cols).abs())
         if masked:
-            left, right = self.p.window_left, self.p.window_right
-            hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)  # [mr, n]
-            if right >= 0:
-                hidden |= cols > rows + right
-            if left >= 0:
-                hidden |= cols < rows - left
-            s4.masked_fill_(hidden, float("-inf"))
+            s4.add_(_window_bias(self.p, self.off, i0, i1, j0, j1, self.acc))
         return s, th
 
     def keep(self, t0, c, i0, i1, j0, j1):
@@ -325,9 +351,6 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
     acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
-    if num_splits == 1 and T.chunk == B * Hk and T.bm == Sq and T.bn == Sk:
-        _fwd_one_tile(T, qc, k4, v4, out4, lse3, sink)
-        return
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc)
     lse_buf = torch.full((B * H, Sq), float("-inf"), dtype=acc)
@@ -366,32 +389,7 @@ def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
             or (params.window_left >= 0 and Sq - 1 + off - params.window_left > Sk - 1))
 
 
-_BIAS_CACHE: dict = {}
 _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
-
-
-def _window_bias(params: AttnParams, Sq, Sk, acc):
-    """The window as an additive [Sq, Sk] tile, 0 where query i sees key j and -inf elsewhere, or
-    None when every pair is inside the window; kept per shape (decoding and prefill repeat them)."""
-    left, right = params.window_left, params.window_right
-    off = Sk - Sq + params.diag_shift
-    if not ((right >= 0 and Sk - 1 > off + right) or (left >= 0 and 0 < Sq - 1 + off - left)):
-        return None
-    key = (Sq, Sk, off, left, right, acc)
-    bias = _BIAS_CACHE.get(key)
-    if bias is None:
-        rows = torch.arange(Sq).view(-1, 1) + off
-        cols = torch.arange(Sk).view(1, -1)
-        hidden = torch.zeros(Sq, Sk, dtype=torch.bool)
-        if right >= 0:
-            hidden |= cols > rows + right
-        if left >= 0:
-            hidden |= cols < rows - left
-        bias = torch.zeros(Sq, Sk, dtype=acc).masked_fill_(hidden, float("-inf"))
-        if len(_BIAS_CACHE) >= 64:
-            _BIAS_CACHE.clear()
-        _BIAS_CACHE[key] = bias
-    return bias
 
 
 def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
@@ -399,9 +397,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
     ALiBi or dropout (decoding, short prefills): the recurrence's single step on the whole
     [B*Hk, G*Sq, Sk] score tile in a handful of ops, with no staging copies. The q, k, v views
     go to the batched matmuls as they are (bmm takes their strides), the window is one add of
-    a cached -inf/0 tile, and the division by l writes (and casts) straight into ``out``::
+    the tiles' own cached ``_window_bias``, and the division by l writes (and casts) straight
+    into ``out``::
 
-        s = qscale q k^T (+ bias);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
+        s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
         out = (p v) / l;            lse = ln(2) m + log l
     """
     B, Sq, H, D = q4.shape
@@ -425,9 +424,9 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
         s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
     else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
         s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
-    bias = _window_bias(params, Sq, Sk, acc)
-    if bias is not None:
-        s.view(BH, G, Sq, Sk).add_(bias)
+    off = Sk - Sq + params.diag_shift
+    if _needs_mask(params, off, 0, Sq, 0, Sk):
+        s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
     m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
     p = s.sub_(m).exp2_()
     l = p.sum(dim=-1, keepdim=True)
@@ -447,21 +446,6 @@ def _div_into_out(o, l, out4, Hk, G):
     B, Sq, _, Dv = out4.shape
     torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
               out=out4.view(B, Sq, Hk, G, Dv))
-
-
-def _fwd_one_tile(T: _Tiles, qc, k4, v4, out4, lse3, sink):
-    """``_fwd_group`` when the whole problem is one tile (small problems: decoding, short
-    prefills): the same recurrence, one step of it, without the staging buffers the general
-    loop needs (tile-sized copies, gathers and scatters cost more than the arithmetic here)."""
-    B, Sq, H, _ = out4.shape
-    Hk, Dv = k4.shape[2], v4.shape[-1]
-    kc = k4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, k4.shape[-1])  # [B*Hk, Sk, D]
-    vc = v4.to(T.acc).transpose(1, 2).reshape(B * Hk, -1, Dv)
-    o, lse = _fwd_range(T, qc.view(B * Hk, T.G * Sq, -1), kc, vc, 0, 0, Sq, 0, T.Sk)  # [B*Hk, G*Sq, ...]
-    if sink is not None:  # rows (hk, g, i) are those of head hk * G + g: the [B*H, Sq] layout
-        _add_sink(o.view(B * H, Sq, Dv), lse.view(B * H, Sq), sink, B)
-    out4.view(B, Sq, Hk, T.G, Dv).copy_(o.view(B, Hk, T.G, Sq, Dv).permute(0, 3, 1, 2, 4))
-    lse3.copy_(lse.view(B, H, Sq))
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
