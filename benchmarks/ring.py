@@ -52,7 +52,7 @@ from tileattn.distributed import (
     zigzag_unshard,
 )
 from tileattn.distributed.comm import Peers
-from tileattn.distributed.engine import _post_grad, _post_kv, _span, ring_bwd, ring_fwd
+from tileattn.distributed.engine import Shard, _post_grad, _post_kv, _span, ring_bwd, ring_fwd
 from tileattn.distributed.ring import DensePlan
 from tileattn.ops.backend import backend_for
 
@@ -171,19 +171,21 @@ def run_dense(tokens: int, causal: bool, args, device) -> dict:
                 ring_bwd(dout, q, k, v, o, l_, plan, peers, deterministic=False)
         return fn
 
-    kv = torch.stack([k, v])
+    shard = Shard(k, v, plan.packed)
+    kv = shard.pack(k, v)  # what the engine sends: one message per step
+    dkv = kv.float()  # what it returns: fp32 gradients of the rows another rank read
     steps = plan.steps(world)[1:]
 
     def comm(bwd: bool):  # the ring's own exchanges (only the rows each rank reads), one after the other
         def fn():
             for _ in range(2 if bwd else 1):
                 for s in steps:
-                    _post_kv(real, plan, kv, s).wait()
-            if bwd:  # the dK/dV returns, in the inputs' dtype
+                    _post_kv(real, plan, kv, shard.axis, s).wait()
+            if bwd:  # the dK/dV returns
                 for s in steps:
                     span = _span(plan.calls(rank, (rank - s) % world), tokens)
-                    grad = None if span is None else kv.narrow(2, span.start, span.stop - span.start).contiguous()
-                    _post_grad(real, plan, kv, grad, s).wait()
+                    grad = None if span is None else dkv.narrow(shard.axis, span.start, span.stop - span.start).contiguous()
+                    _post_grad(real, plan, dkv, shard.axis, grad, s).wait()
         return fn
 
     flops_single = 4 * args.batch * args.heads * tokens**2 * args.hdim * (0.5 if causal else 1.0)

@@ -115,3 +115,22 @@ def test_serving_benchmark_outputs_agree(tmp_path):
     assert set(checked) >= {("mixed", "one call"), ("fp8", "paged fp8"), ("prefix", "cascade")}, checked
     assert checked[("mixed", "one call")] < FP32_AGREEMENT and checked[("prefix", "cascade")] < FP32_AGREEMENT, checked
     assert checked[("fp8", "paged fp8")] < 2e-2, checked  # bf16 outputs: a few bf16 units apart
+
+
+@pytest.mark.parametrize("layout", [("--tokens", "128"),
+                                    ("--varlen", "llama3", "--tokens", "256", "--doc-min", "16", "--doc-max", "128",
+                                     "--heads-k-stride", "1")], ids=["zigzag", "llama3"])
+def test_ring_benchmark_runs_two_gloo_ranks(layout):
+    """ring.py under torchrun with two CPU ranks: every timed loop runs, the transfer-only one
+    included (it calls the engine's private exchanges, whose signatures it must follow), and
+    its correctness check (fp32, against one process) agrees."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--standalone",
+                           str(BENCHMARKS / "ring.py"), *layout, "--heads", "2", "--hdim", "32", "--reps", "1",
+                           "--warmup", "0", "--check-tokens", "64", "--model-world", "4", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    checks = [float(line.rsplit("=", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("check:")]
+    assert checks and all(err <= FP32_AGREEMENT for err in checks), proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.strip().startswith(("128", "256"))]
+    assert rows, proc.stdout
