@@ -128,7 +128,8 @@ def test_ring_benchmark_runs_two_gloo_ranks(layout):
                            "--standalone",
                            str(BENCHMARKS / "ring.py"), *layout, "--heads", "2", "--hdim", "32", "--reps", "1",
                            "--warmup", "0", "--check-tokens", "64", "--model-world", "4", "--dtype", "float32"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo ranks, also on a GPU host
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     checks = [float(line.rsplit("=", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("check:")]
     assert checks and all(err <= FP32_AGREEMENT for err in checks), proc.stdout

@@ -14,6 +14,7 @@ divides the total — documents then straddle rank borders, and zero-length ones
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import time
@@ -438,6 +439,9 @@ def _single_call(case, q, k, v, dout, slopes, sink, dlse, docs, device):
 def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     round_like_the_gpu()  # a spawned rank does not load conftest
+    # a rank still running near the deadline writes where its threads are, for the failure message
+    stack_file = open(f"{result_dir}/rank{rank}.stack", "w")
+    faulthandler.dump_traceback_later(max(1.0, SPAWN_DEADLINE_S - 10), file=stack_file)
     device = torch.device(device_type, rank if device_type == "cuda" else None)
     if device_type == "cuda":
         torch.cuda.set_device(device)
@@ -461,6 +465,7 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str, device_type:
             failures[name] = traceback.format_exc()
         finally:
             os.environ.pop("TILEATTN_BACKEND", None) if forced else None
+    faulthandler.cancel_dump_traceback_later()
     with open(f"{result_dir}/rank{rank}.json", "w") as f:
         json.dump(failures, f)
     dist.destroy_process_group()
@@ -488,6 +493,9 @@ def _spawn(world: int, device_type: str, tmp, cases: list[str] | None = None) ->
                 stamp, _, name = lines[0].partition(" ") if lines else ("", "", "")
                 where.append(f"rank {r}: " + (f"in {name} for {time.monotonic() - float(stamp):.0f} s" if name
                                               else "no case started"))
+                stack = tmp / f"rank{r}.stack"
+                if stack.exists() and stack.stat().st_size:  # the innermost frames of its main thread
+                    where[-1] += "\n" + "\n".join(stack.read_text().splitlines()[:24])
             pytest.fail(f"ring of {world} processes did not finish in {SPAWN_DEADLINE_S} s (hang?); "
                         + "; ".join(where))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
