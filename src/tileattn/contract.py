@@ -22,6 +22,12 @@ its outputs, it writes into the ones it is given, so tests can poison them with 
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              deterministic=False, dlse=None, learnable_sink=None, dsink=None) -> None
 
+    merge_parts(o_parts, lse_parts, out, lse) -> None
+
+``merge_parts`` merges S partial states over disjoint key sets (``tileattn.ops.merge``'s rule),
+o_parts (S, B, Sq, H, Dv) and lse_parts (S, B, H, Sq) contiguous fp32, into out (B, Sq, H, Dv;
+any strides, any dtype) and lse (B, H, Sq) fp32 (a cascade's prefix and suffix states).
+
 Layouts (last dim contiguous; other strides arbitrary, so views work):
 
 * dense:   q (B, Sq, H, D); k, v (B, Sk, Hk, D); out (B, Sq, H, D); lse (B, H, Sq) fp32. v (and

@@ -1,8 +1,8 @@
 """The CPU backend: the FlashAttention recurrence over tiles, written with torch ops.
 
-Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``.
+Implements the contract of ``tileattn.contract``: ``attn_fwd``, ``attn_bwd`` and ``merge_parts``.
 """
 
-from .attention import attn_bwd, attn_fwd
+from .attention import attn_bwd, attn_fwd, merge_parts
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "merge_parts"]

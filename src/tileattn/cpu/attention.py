@@ -588,3 +588,11 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_s
                    batch.rows(out, bs), batch.lse_rows(lse, bs), None if dlse is None else batch.lse_rows(dlse, bs),
                    batch.rows(dq, bs), batch.keys(dk, bs), batch.keys(dv, bs), dsink, slopes, learnable_sink,
                    bs.start, params, block_m, block_n, tile_elems)
+
+
+def merge_parts(o_parts, lse_parts, out, lse) -> None:
+    """Merge partial states (S, B, Sq, H, Dv) / (S, B, H, Sq) over disjoint key sets into ``out``
+    and ``lse`` (``tileattn.contract``), with ``tileattn.ops.merge.merge_many``."""
+    o, l_ = merge_many(list(o_parts), list(lse_parts))
+    out.copy_(o)
+    lse.copy_(l_)

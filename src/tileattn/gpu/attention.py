@@ -531,6 +531,19 @@ class FwdPlan:
             self.fwd(self.grid, *args)
 
 
+def merge_parts(o_parts, lse_parts, out, lse) -> None:
+    """Merge partial states over disjoint key sets into ``out`` (B, Sq, H, Dv), any strides, last
+    contiguous, any dtype) and ``lse`` (B, H, Sq) fp32: ``o_parts`` (S, B, Sq, H, Dv) and
+    ``lse_parts`` (S, B, H, Sq) contiguous fp32 — the split combine's kernel on states the caller
+    computed (a cascade's prefix and suffix). One launch, no host sync."""
+    assert o_parts.is_contiguous() and lse_parts.is_contiguous() and out.stride(-1) == 1, "validated by tileattn.ops"
+    head_dim = o_parts.shape[-1]
+    launch, grid, ints = _combine_launch((tuple(o_parts.shape), tuple(lse_parts.shape)), False, out.stride()[:3],
+                                         lse.stride(), head_dim, max(16, next_power_of_2(head_dim)), out.dtype,
+                                         lse.dtype, None, False)
+    launch(grid, o_parts, lse_parts, out, lse, None, *ints)
+
+
 def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
                     l_dtype, sink, marked: bool) -> tuple[Launch, tuple, tuple]:
     """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their

@@ -7,7 +7,11 @@ each request's own keys (its suffix) live in blocks of its own. Attention of req
 
     (o_p, lse_p) = attention of q_b over the prefix's keys   (one call for every request)
     (o_s, lse_s) = attention of q_b over suffix_b's keys      (one paged call, causal)
-    out_b        = merge(o_p, lse_p, o_s, lse_s)
+    out_b        = merge(o_p, lse_p, o_s, lse_s)               (one launch: the backend's merge_parts)
+
+On CUDA the prefix call runs on a second stream beside the suffix call: the prefix call is
+compute-bound (a prefill's shape), the suffix call reads each request's own keys once
+(memory-bound), so the two overlap. Both are captured by a CUDA graph like any other call.
 
 The prefix call packs the query rows of all requests (batch x seqlen_q of them) as the rows of
 one sequence, not causal: every query sits after the whole prefix and sees all of it, so each
@@ -36,12 +40,14 @@ nheads_k) for the requests' own keys (new k, v are quantised with them) and
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _validate as V
 from ._custom import attention
 from .kvcache import _append
-from .merge import merge_states
+from .backend import backend_for
 
 __all__ = ["cascade_attn_with_kvcache"]
 
@@ -89,20 +95,57 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
         q, suffix_used = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, None, True, causal,
                                  k_descale, v_descale)
     q = V.last_dim_contiguous(q)
-    # the prefix: every request's query rows as the rows of one sequence, an fp32 partial state
-    rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
-    o_p = torch.empty((*rows.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
-    o_p, lse_p = attention(rows, k_cache, v_cache, prefix_params, max_seqlen_q=batch * seqlen_q,
-                           max_seqlen_k=prefix_table.shape[1] * block_size, seqused_k=prefix_used,
-                           block_table=prefix_table, num_splits=num_splits, out=o_p, k_descale=prefix_k_descale,
-                           v_descale=prefix_v_descale)
-    o_p = o_p.view(batch, seqlen_q, nheads, headdim_v)
-    lse_p = lse_p.view(nheads, batch, seqlen_q).transpose(0, 1)  # (batch, nheads, seqlen_q)
+    # both partial states in one fp32 buffer, merged by one launch (``merge_parts``)
+    o_parts = torch.empty((2, *q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
+    side = _side_stream(q.device)
+    with _forked(side):
+        # the prefix: every request's query rows as the rows of one sequence (prefill-shaped,
+        # compute-bound), on a side stream on CUDA so that it overlaps the suffix call (memory-bound)
+        rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
+        _, lse_p = attention(rows, k_cache, v_cache, prefix_params, max_seqlen_q=batch * seqlen_q,
+                             max_seqlen_k=prefix_table.shape[1] * block_size, seqused_k=prefix_used,
+                             block_table=prefix_table, num_splits=num_splits,
+                             out=o_parts[0].view(1, batch * seqlen_q, nheads, headdim_v), k_descale=prefix_k_descale,
+                             v_descale=prefix_v_descale)
     # each request's own keys, causal within them
-    o_s = torch.empty((*q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
-    o_s, lse_s = attention(q, k_cache, v_cache, params, max_seqlen_q=seqlen_q, max_seqlen_k=capacity,
-                           seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_s,
-                           k_descale=k_descale, v_descale=v_descale)
-    out, lse = merge_states(o_p, lse_p, o_s, lse_s)
-    out = out.to(q.dtype)
+    _, lse_s = attention(q, k_cache, v_cache, params, max_seqlen_q=seqlen_q, max_seqlen_k=capacity,
+                         seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_parts[1],
+                         k_descale=k_descale, v_descale=v_descale)
+    _join(side)
+    lse_parts = torch.stack([lse_p.view(nheads, batch, seqlen_q).transpose(0, 1), lse_s])
+    out = torch.empty((*q.shape[:-1], headdim_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty_like(lse_s)
+    backend_for(q.device).merge_parts(o_parts, lse_parts, out, lse)
     return (out, lse) if return_softmax_lse else out
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """A second CUDA stream per device (None off CUDA or under Triton's interpreter)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index)
+    return _SIDE[index]
+
+
+@contextlib.contextmanager
+def _forked(side):
+    """Run the block on ``side`` after everything queued so far on the current stream (a CUDA
+    graph being captured follows the fork). Tensors it allocates there are read by the current
+    stream only after ``_join``; a later reuse of their memory on ``side`` comes after the next
+    fork, so after those reads."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(side) -> None:
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
