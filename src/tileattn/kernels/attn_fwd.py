@@ -34,7 +34,9 @@ main part (``HEAD_DIM = HEAD_DIM_PAD``) and a tail padded to ``HEAD_DIM_TAIL_PAD
 latent is read once.
 
 Feature flags (all ``tl.constexpr``): ``IS_VARLEN`` (packed queries and keys via cu_seqlens),
-``IS_PAGED`` (keys in a block pool addressed through a block table), ``HAS_SEQUSED_K``,
+``IS_PAGED`` (keys in a block pool addressed through a block table; with ``PREFETCH_PAGES`` each
+tile's page ids are loaded one tile ahead, so the gathered K/V loads depend on nothing loaded in
+their own iteration and Triton's pipeliner stages them in shared memory), ``HAS_SEQUSED_K``,
 ``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r %
 GROUP``, so one program reads each K/V tile once for the whole group), ``SPLIT_KV``,
 ``MASK_LEFT`` / ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0),
@@ -59,14 +61,25 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _tile_pages(tbl, start_n, offs_n, seqlen_k, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table entries of the key tile starting at ``start_n``: one id when the tile lies in one
+    page, else one per key ([BLOCK_N]); 0 past ``seqlen_k`` (a tile after the last, prefetched)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(tbl + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
+    else:
+        k_pos = start_n + offs_n  # [BLOCK_N]
+        return tl.load(tbl + k_pos // PAGE_SIZE, mask=k_pos < seqlen_k, other=0)
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn,
                     stride_vn, tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                     window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     HEAD_DIM_TAIL: tl.constexpr, HEAD_DIM_TAIL_PAD: tl.constexpr, V_IS_K: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, MASKED: tl.constexpr,
-                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+                    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """Run the recurrence over key tiles ``tile_lo .. tile_hi - 1`` (tile indices).
@@ -79,6 +92,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
+    if IS_PAGED and PREFETCH_PAGES:  # the first tile's page ids; each tile loads the next one's while it computes
+        pages_next = _tile_pages(tbl, tile_lo * BLOCK_N, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
     for start_n in range(tile_lo * BLOCK_N, tile_hi * BLOCK_N, BLOCK_N):
         k_pos = start_n + offs_n  # [BLOCK_N] key positions inside the sequence
         if MASKED:
@@ -88,19 +103,17 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
             kv_mask = offs_d[None, :] < HEAD_DIM  # [1, HEAD_DIM_PAD], only used if HEAD_DIM is padded
             v_mask = offs_dv[None, :] < HEAD_DIM_V  # [1, HEAD_DIM_V_PAD]
         if IS_PAGED:
-            if PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page: one table lookup
-                page = tl.load(tbl + start_n // PAGE_SIZE).to(tl.int64)
-                rows = start_n % PAGE_SIZE + offs_n  # [BLOCK_N]
-                k_rows = page * stride_kpage + rows.to(tl.int64) * stride_kn
-                v_rows = page * stride_vpage + rows.to(tl.int64) * stride_vn
-            else:  # pages smaller than (or not aligned to) the tile: one lookup per key
-                if MASKED:
-                    page = tl.load(tbl + k_pos // PAGE_SIZE, mask=k_pos < seqlen_k, other=0).to(tl.int64)
-                else:
-                    page = tl.load(tbl + k_pos // PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
+            if PREFETCH_PAGES:  # the K/V loads then depend on no load of this iteration: Triton stages them
+                pages = pages_next.to(tl.int64)  # [] or [BLOCK_N]
+                pages_next = _tile_pages(tbl, start_n + BLOCK_N, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
+            else:
+                pages = _tile_pages(tbl, start_n, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N).to(tl.int64)
+            if PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page
+                rows = (start_n % PAGE_SIZE + offs_n).to(tl.int64)  # [BLOCK_N]
+            else:  # pages smaller than (or not aligned to) the tile: a page id per key
                 rows = (k_pos % PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
-                k_rows = page * stride_kpage + rows * stride_kn
-                v_rows = page * stride_vpage + rows * stride_vn
+            k_rows = pages * stride_kpage + rows * stride_kn  # [BLOCK_N]
+            v_rows = pages * stride_vpage + rows * stride_vn
         else:
             k_rows = k_pos.to(tl.int64) * stride_kn  # [BLOCK_N]
             v_rows = k_pos.to(tl.int64) * stride_vn
@@ -162,7 +175,7 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, IS_FP8: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -311,7 +324,7 @@ def _attn_fwd_kernel(
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_DTYPE, DOT_PRECISION)
     if not SINGLE_LOOP:
         acc, l_i, m_i = _attn_fwd_inner(
@@ -319,14 +332,14 @@ def _attn_fwd_kernel(
             full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_DTYPE, DOT_PRECISION)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_DTYPE, DOT_PRECISION)
 
     empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
