@@ -49,8 +49,10 @@ __all__ = ["attn_fwd", "plan_fwd", "clear_plans", "FwdPlan"]
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
 # paged launches: load each key tile's page ids one tile ahead (``PREFETCH_PAGES`` of the kernel),
-# per tile kind (the decode tile, the prefill tile)
-PREFETCH_PAGES = {"decode": True, "prefill": True}
+# per tile kind. Measured on the H200 (2026-11-30 20:25, docs/perf-notes.md): the staged tiles
+# raise the bf16 decode tile's shared memory 74 -> 139 KB (one program per SM) and slow it 6-38 %;
+# the FP8 decode tile (41 -> 74 KB) gains 3.6 %, the prefill tile 7-13 % (packed prefix, mixed batch)
+PREFETCH_PAGES = {"decode": False, "decode_fp8": True, "prefill": True}
 MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
@@ -440,7 +442,8 @@ class FwdPlan:
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
             HEAD_DIM_V_PAD=head_dim_v_pad, PAGE_SIZE=page_size,
             IS_VARLEN=varlen, IS_PAGED=paged, HAS_SEQUSED_K=seqused is not None,
-            PREFETCH_PAGES=paged and PREFETCH_PAGES["decode" if decode else "prefill"],
+            PREFETCH_PAGES=paged and PREFETCH_PAGES[
+                "prefill" if not decode else "decode" if descale is None else "decode_fp8"],
             PACK_GQA=pack_gqa, SPLIT_KV=split_kv, IS_FP8=descale is not None,
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
