@@ -36,8 +36,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("num_splits", [0, 3], ids=["auto-splits", "3-splits"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_cascade_equals_attention_over_the_whole_cache(device, name):
+def test_cascade_equals_attention_over_the_whole_cache(device, name, num_splits):
+    """3 splits: the prefix's split partial states go to the final merge unmerged (Triton path)."""
     c = CASES[name]
     gen = torch.Generator().manual_seed(197)
     dtype, d, block = torch.bfloat16, 32, 8
@@ -67,7 +69,7 @@ def test_cascade_equals_attention_over_the_whole_cache(device, name):
         q.to(device), k_pool.to(device), v_pool.to(device), prefix_table.to(device),
         torch.tensor([c["prefix"]], dtype=torch.int32, device=device), table.to(device), lens.to(device),
         k=None if new_k is None else new_k.to(device), v=None if new_v is None else new_v.to(device),
-        causal=c["causal"], softcap=c["softcap"], return_softmax_lse=True)
+        causal=c["causal"], softcap=c["softcap"], return_softmax_lse=True, num_splits=num_splits)
     for b in range(batch):
         keys, values = torch.cat([prefix_k, suf_k[b]])[None], torch.cat([prefix_v, suf_v[b]])[None]
         opts = dict(causal=c["causal"], softcap=c["softcap"])

@@ -483,10 +483,12 @@ class FwdPlan:
                 self.marked)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-            block_table, workspace: tuple | None = None, learnable_sink=None, k_descale=None, v_descale=None) -> None:
+            block_table, workspace: tuple | None = None, learnable_sink=None, k_descale=None, v_descale=None,
+            combine: bool = True) -> None:
         """Launch the plan on one call's tensors (they must have the plan's key, sinks and descales
-        included). ``workspace``: the split partials' buffers from ``new_workspace``, else they are
-        allocated here."""
+        included). ``workspace``: the split partials' buffers, shaped as ``workspace_shapes``
+        (``new_workspace``; contiguous), else they are allocated here. ``combine=False`` leaves
+        the split partials in ``workspace`` for the caller to merge (``merge_parts``)."""
         if self.workspace_shapes is not None:
             o_dst, l_dst = workspace or self.new_workspace(q.device)
             if self.marked:  # rows no split of this launch writes keep the mark
@@ -511,7 +513,7 @@ class FwdPlan:
         if self.long is not None:
             self.long.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                           learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
-        if self.combine is not None:
+        if self.combine is not None and combine:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
 
     def new_workspace(self, device) -> tuple | None:
@@ -539,25 +541,27 @@ class FwdPlan:
 
 
 def merge_parts(o_parts, lse_parts, out, lse) -> None:
-    """Merge partial states over disjoint key sets into ``out`` (B, Sq, H, Dv), any strides, last
+    """Merge partial states over disjoint key sets into ``out`` (B, Sq, H, Dv; any strides, last
     contiguous, any dtype) and ``lse`` (B, H, Sq) fp32: ``o_parts`` (S, B, Sq, H, Dv) and
-    ``lse_parts`` (S, B, H, Sq) contiguous fp32 — the split combine's kernel on states the caller
-    computed (a cascade's prefix and suffix). One launch, no host sync."""
-    assert o_parts.is_contiguous() and lse_parts.is_contiguous() and out.stride(-1) == 1, "validated by tileattn.ops"
+    ``lse_parts`` (S, B, H, Sq) fp32, any strides (o's last contiguous) — the split combine's
+    kernel on states the caller computed (a cascade's prefix splits and suffix). One launch, no
+    host sync."""
+    assert o_parts.stride(-1) == 1 and out.stride(-1) == 1, "validated by tileattn.ops"
     head_dim = o_parts.shape[-1]
     launch, grid, ints = _combine_launch((tuple(o_parts.shape), tuple(lse_parts.shape)), False, out.stride()[:3],
                                          lse.stride(), head_dim, max(16, next_power_of_2(head_dim)), out.dtype,
-                                         lse.dtype, None, False)
+                                         lse.dtype, None, False, (o_parts.stride()[:4], lse_parts.stride()))
     launch(grid, o_parts, lse_parts, out, lse, None, *ints)
 
 
 def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
-                    l_dtype, sink, marked: bool) -> tuple[Launch, tuple, tuple]:
+                    l_dtype, sink, marked: bool, part_strides=None) -> tuple[Launch, tuple, tuple]:
     """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their
     dtype or None), into ``out``/``lse`` (varlen as B = 1), skipping the ``marked`` rows when
-    asked: its launch, grid and integer arguments."""
+    asked: its launch, grid and integer arguments. The partials are contiguous unless
+    ``part_strides`` gives (o's, lse's) strides (the head dim's stride 1)."""
     (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
-    po, pl = contiguous_strides(workspace[0]), contiguous_strides(l_shape)
+    po, pl = part_strides or (contiguous_strides(workspace[0]), contiguous_strides(l_shape))
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)

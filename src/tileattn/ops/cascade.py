@@ -9,6 +9,9 @@ each request's own keys (its suffix) live in blocks of its own. Attention of req
     (o_s, lse_s) = attention of q_b over suffix_b's keys      (one paged call, causal)
     out_b        = merge(o_p, lse_p, o_s, lse_s)               (one launch: the backend's merge_parts)
 
+When the prefix call splits its keys (flash-decoding, on the Triton path), its split partial
+states are not merged on their own: they join the suffix's state in that one final merge.
+
 On CUDA the prefix call runs on a second stream beside the suffix call: the prefix call is
 compute-bound (a prefill's shape), the suffix call reads each request's own keys once
 (memory-bound), so the two overlap. Both are captured by a CUDA graph like any other call.
@@ -95,27 +98,48 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
         q, suffix_used = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, None, True, causal,
                                  k_descale, v_descale)
     q = V.last_dim_contiguous(q)
-    # both partial states in one fp32 buffer, merged by one launch (``merge_parts``)
-    o_parts = torch.empty((2, *q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
+    backend = backend_for(q.device)
+    # the prefix: every request's query rows as the rows of one sequence (prefill-shaped,
+    # compute-bound); planned first, so its split count sizes the buffer of partial states
+    rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
+    prefix_args = dict(max_seqlen_q=batch * seqlen_q, max_seqlen_k=prefix_table.shape[1] * block_size,
+                       seqused_k=prefix_used, block_table=prefix_table, num_splits=num_splits,
+                       k_descale=prefix_k_descale)
+    rows_shape, rows_lse_shape = (1, batch * seqlen_q, nheads, headdim_v), (1, nheads, batch * seqlen_q)
+    plan = splits = None
+    if hasattr(backend, "plan_fwd"):  # the Triton path: the prefix's split partials join the final merge
+        plan = backend.plan_fwd(rows, k_cache, v_cache, torch.empty(rows_shape, dtype=torch.float32, device=q.device),
+                                torch.empty(rows_lse_shape, dtype=torch.float32, device=q.device),
+                                params=prefix_params, **prefix_args)
+        splits = plan.num_splits if plan.workspace_shapes is not None else None
+    parts = (splits or 1) + 1  # the prefix's partial states, then the suffix's
+    # every partial state in one fp32 buffer, merged by one launch (``merge_parts``): outputs
+    # (parts, B, Sq, H, Dv); lse (parts, H, B, Sq), the prefix's order (its rows are (b, s) for each head)
+    o_parts = torch.empty((parts, *q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty((parts, nheads, batch, seqlen_q), dtype=torch.float32, device=q.device)
+    o_prefix, lse_prefix = o_parts[:-1].view(-1, *rows_shape), lse_parts[:-1].view(-1, *rows_lse_shape)
     side = _side_stream(q.device)
-    with _forked(side):
-        # the prefix: every request's query rows as the rows of one sequence (prefill-shaped,
-        # compute-bound), on a side stream on CUDA so that it overlaps the suffix call (memory-bound)
-        rows = q.reshape(1, batch * seqlen_q, nheads, headdim)
-        _, lse_p = attention(rows, k_cache, v_cache, prefix_params, max_seqlen_q=batch * seqlen_q,
-                             max_seqlen_k=prefix_table.shape[1] * block_size, seqused_k=prefix_used,
-                             block_table=prefix_table, num_splits=num_splits,
-                             out=o_parts[0].view(1, batch * seqlen_q, nheads, headdim_v), k_descale=prefix_k_descale,
-                             v_descale=prefix_v_descale)
+    with _forked(side):  # on CUDA beside the suffix call (memory-bound)
+        if splits:
+            plan.run(rows, k_cache, v_cache, None, None, prefix_params, None, None, None, prefix_used, prefix_table,
+                     workspace=(o_prefix, lse_prefix), k_descale=prefix_k_descale, v_descale=prefix_v_descale,
+                     combine=False)
+        elif plan is not None:
+            plan.run(rows, k_cache, v_cache, o_prefix[0], lse_prefix[0], prefix_params, None, None, None, prefix_used,
+                     prefix_table, k_descale=prefix_k_descale, v_descale=prefix_v_descale)
+        else:
+            _, lse_p = attention(rows, k_cache, v_cache, prefix_params, out=o_prefix[0], v_descale=prefix_v_descale,
+                                 **prefix_args)
+            lse_prefix[0].copy_(lse_p)
     # each request's own keys, causal within them
     _, lse_s = attention(q, k_cache, v_cache, params, max_seqlen_q=seqlen_q, max_seqlen_k=capacity,
-                         seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_parts[1],
+                         seqused_k=suffix_used, block_table=block_table, num_splits=num_splits, out=o_parts[-1],
                          k_descale=k_descale, v_descale=v_descale)
+    lse_parts[-1].copy_(lse_s.transpose(0, 1))
     _join(side)
-    lse_parts = torch.stack([lse_p.view(nheads, batch, seqlen_q).transpose(0, 1), lse_s])
     out = torch.empty((*q.shape[:-1], headdim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty_like(lse_s)
-    backend_for(q.device).merge_parts(o_parts, lse_parts, out, lse)
+    backend.merge_parts(o_parts, lse_parts.permute(0, 2, 1, 3), out, lse)
     return (out, lse) if return_softmax_lse else out
 
 
