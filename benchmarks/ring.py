@@ -172,8 +172,8 @@ def run_dense(tokens: int, causal: bool, args, device) -> dict:
         return fn
 
     shard = Shard(k, v, plan.packed)
-    kv = shard.pack(k, v)  # what the engine sends: one message per step
-    dkv = kv.float()  # what it returns: fp32 gradients of the rows another rank read
+    kv = shard.pack(k, v)  # what the engine sends: one message per step; the gradients of the rows
+    # another rank read return in the same dtype and layout
     steps = plan.steps(world)[1:]
 
     def comm(bwd: bool):  # the ring's own exchanges (only the rows each rank reads), one after the other
@@ -184,8 +184,8 @@ def run_dense(tokens: int, causal: bool, args, device) -> dict:
             if bwd:  # the dK/dV returns
                 for s in steps:
                     span = _span(plan.calls(rank, (rank - s) % world), tokens)
-                    grad = None if span is None else dkv.narrow(shard.axis, span.start, span.stop - span.start).contiguous()
-                    _post_grad(real, plan, dkv, shard.axis, grad, s).wait()
+                    grad = None if span is None else kv.narrow(shard.axis, span.start, span.stop - span.start).contiguous()
+                    _post_grad(real, plan, kv, shard.axis, grad, s).wait()
         return fn
 
     flops_single = 4 * args.batch * args.heads * tokens**2 * args.hdim * (0.5 if causal else 1.0)

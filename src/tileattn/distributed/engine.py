@@ -23,10 +23,12 @@ Backward (the FlashAttention trick, per call): with the FINAL output O and LSE, 
 probabilities are ``P = exp(S - lse)`` and ``delta = rowsum(dO * O)`` is the same for every
 call, so each call's (dq, dk, dv) is exactly its share of the gradient. The shards travel
 again; dq accumulates locally in fp32; the gradient of a borrowed shard (written by the call
-itself when one call covers it, else summed in fp32) goes straight back to its owner in fp32,
-and the owner adds the returns in step order (deterministic). Every partial state and partial
-gradient stays fp32 until the one rounding to the inputs' dtype at the end, as in one call (the
-returned gradients thus travel at 4 bytes an element: twice the inputs' 2 in bf16).
+itself when one call covers it, else summed in fp32) goes straight back to its owner in the
+inputs' dtype, and the owner adds the returns in step order (deterministic) into its fp32
+accumulator. Every local partial state and partial gradient stays fp32 until the one rounding
+to the inputs' dtype at the end, as in one call; a returned gradient is rounded once more, on
+its way (a seed scan of the bf16 ring cases found no tolerance miss that fp32 returns avoid,
+and fp32 would double the bytes of the backward's returns).
 
 A plan gives, per (rank, src), a list of ``Call``: the local query rows, the held key rows,
 the moved window (``plan.window_pair``) and, for packed batches, the ``cu_seqlens`` of the
@@ -190,13 +192,13 @@ def _post_kv(peers: Peers, plan: Plan, own, axis: int, step: int):
     return peers.exchange(send, r + step, recv, r - step, tag=step)
 
 
-def _post_grad(peers: Peers, plan: Plan, dkv, axis: int, grad, step: int):
-    """Return ``grad`` (the fp32 gradient of the rows of rank - step's shard that I read, or None)
-    to its owner; the gradient of the rows of mine (``dkv``: their fp32 accumulator) that rank +
-    step read comes back from it."""
+def _post_grad(peers: Peers, plan: Plan, own, axis: int, grad, step: int):
+    """Return ``grad`` (the gradient of the rows of rank - step's shard that I read, in the inputs'
+    dtype, or None) to its owner; the gradient of the rows of my shard ``own`` that rank + step
+    read comes back from it, in ``own``'s dtype."""
     r, w = peers.rank, peers.world_size
     mine = _span(plan.calls((r + step) % w, r), plan.length)
-    recv = None if mine is None else _narrow(dkv, mine, axis)
+    recv = None if mine is None else _narrow(own, mine, axis)
     return peers.exchange(grad, r - step, recv, r + step, tag=w + step)
 
 
@@ -287,8 +289,9 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     its delta is rowsum(dout * out) - dlse.
 
     Where one call covers all rows its gradients are written straight into the fp32 accumulators
-    (the first call) or into the message returning a borrowed shard's gradient (a step's only
-    call over every received row); otherwise they are added up in fp32.
+    (the first call) or into the message returning a borrowed shard's gradient, in the inputs'
+    dtype (a step's only call over every received row); otherwise they are added up in fp32 (and
+    a borrowed shard's sum rounded to the inputs' dtype before it travels).
     """
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
@@ -309,7 +312,7 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
         grad = None  # the gradient of the received rows, to return (step > 0)
         direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[shard.axis])
         if direct_grad:
-            grad = torch.empty(kv.shape, device=q.device, dtype=torch.float32)  # written by the call
+            grad = torch.empty_like(kv)  # written by the call: its fp32 accumulation rounded once, on store
         elif step > 0 and calls:
             grad = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
         for call in calls:
@@ -340,10 +343,9 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
                 dkv.zero_()
                 fresh_kv = False
             continue
-        # the gradient of src's rows goes back to src in fp32 (rounded once, by its owner, at the
-        # end: in the inputs' dtype a returned partial that the owner's own share largely cancels
-        # would carry that dtype's error of the partial); mine come back from rank + step
-        back = _post_grad(peers, plan, dkv, shard.axis, grad, step)
+        # the gradient of src's rows goes back to src in the inputs' dtype (added into src's fp32
+        # accumulator there); mine come back from rank + step
+        back = _post_grad(peers, plan, own, shard.axis, None if grad is None else grad.to(own.dtype), step)
         if returning is not None:
             _add_returned(dkv, *returning)
         returning = (back, _span(plan.calls((r + step) % w, r), plan.length), shard.axis)
