@@ -18,7 +18,10 @@ larger than needed). Every tileattn call is timed eagerly and replayed from a CU
 Each output is compared with its baseline's (``err``: max |difference|; the fp8 row with the
 bf16 call on the dequantised cache).
 
-    python benchmarks/serving.py [--quick] [--out DIR] [--dry-run] [--smoke] [--only mixed,fp8,prefix]
+* **prefix-launch**: the cascade's prefix call alone (64 packed rows x 32 heads over the 16k
+  shared keys), from a contiguous cache and from 16- and 256-key pages.
+
+    python benchmarks/serving.py [--quick] [--out DIR] [--dry-run] [--smoke] [--only mixed,fp8,prefix,prefix-launch]
 """
 
 from __future__ import annotations
@@ -210,7 +213,46 @@ def prefix(args, rows: Rows, dtype):
     rows.time("prefix", "cascade", cascade, expect)
 
 
-SCENARIOS = {"mixed": mixed, "fp8": fp8, "prefix": prefix}
+def prefix_launch(args, rows: Rows, dtype):
+    """The cascade's prefix call alone: every request's query row packed as the rows of one
+    sequence (GQA 32/8: 4 x batch rows per KV head) over the shared keys, not causal, from a
+    contiguous cache and from pools of 16- and 256-key pages (a random page order); TFLOP/s in
+    the note. What the paged prefill tile costs beside the contiguous one."""
+    import torch
+
+    import tileattn
+
+    dev = args.device
+    batch, shared, _ = shapes(args)["prefix"]
+    gen = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(1, batch, NHEADS, HDIM, device=dev, generator=gen).to(dtype)
+    k = torch.randn(1, shared, NHEADS_K, HDIM, device=dev, generator=gen).to(dtype)
+    v = torch.randn(1, shared, NHEADS_K, HDIM, device=dev, generator=gen).to(dtype)
+    lens = torch.full((1,), shared, dtype=torch.int32, device=dev)
+    flops = common.attn_flops(1, NHEADS, batch, shared, HDIM)
+
+    def timed(name, fn, expect=None):
+        rows.time("prefix launch", name, fn, expect)
+        for row in rows.rows:  # the rate in the note of this call's rows (eager and graph-replayed)
+            if row["scenario"] == "prefix launch" and row["impl"] in (name, f"{name}·graph") and row["us"]:
+                row["note"] = f"{common.fmt(common.tflops(flops, row['us'] / 1e3))} TFLOP/s"
+
+    expect = tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    timed("contiguous", lambda: tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens))
+    for page in (BLOCK, 256):
+        pages = -(-shared // page)
+        perm = torch.randperm(2 * pages, device=dev, generator=gen)[:pages]
+        kp = torch.zeros(2 * pages, page, NHEADS_K, HDIM, device=dev, dtype=dtype)
+        vp = torch.zeros_like(kp)
+        padded = pages * page - shared
+        kp[perm] = torch.nn.functional.pad(k[0], (0, 0, 0, 0, 0, padded)).view(pages, page, NHEADS_K, HDIM)
+        vp[perm] = torch.nn.functional.pad(v[0], (0, 0, 0, 0, 0, padded)).view(pages, page, NHEADS_K, HDIM)
+        table = perm.to(torch.int32)[None]
+        timed(f"paged {page}", lambda: tileattn.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                                          block_table=table), expect)
+
+
+SCENARIOS = {"mixed": mixed, "fp8": fp8, "prefix": prefix, "prefix-launch": prefix_launch}
 
 
 def summary(rows: Rows) -> None:
@@ -235,7 +277,8 @@ def summary(rows: Rows) -> None:
 
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--only", default="mixed,fp8,prefix", help="comma-separated scenarios: mixed, fp8, prefix"))
+        "--only", default="mixed,fp8,prefix,prefix-launch",
+        help="comma-separated scenarios: mixed, fp8, prefix, prefix-launch"))
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     for s in chosen:
         if s not in SCENARIOS:

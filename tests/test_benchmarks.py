@@ -109,11 +109,13 @@ def test_host_launch_times_triton_and_direct_launches():
 
 def test_serving_benchmark_outputs_agree(tmp_path):
     """benchmarks/serving.py --smoke: the one mixed call equals the separate calls, cascade the plain
-    paged call (fp32 on the CPU), the FP8 call the bf16 call on the dequantised cache."""
+    paged call (fp32 on the CPU), the paged prefix launches the contiguous one, the FP8 call the
+    bf16 call on the dequantised cache."""
     rows = run_smoke("serving.py", tmp_path)
     checked = {(r["scenario"], r["impl"]): float(r["err"]) for r in rows if r.get("err")}
-    assert set(checked) >= {("mixed", "one call"), ("fp8", "paged fp8"), ("prefix", "cascade")}, checked
-    assert checked[("mixed", "one call")] < FP32_AGREEMENT and checked[("prefix", "cascade")] < FP32_AGREEMENT, checked
+    exact = [("mixed", "one call"), ("prefix", "cascade"), ("prefix launch", "paged 16"), ("prefix launch", "paged 256")]
+    assert set(checked) >= {("fp8", "paged fp8"), *exact}, checked
+    assert all(checked[name] < FP32_AGREEMENT for name in exact), checked
     assert checked[("fp8", "paged fp8")] < 2e-2, checked  # bf16 outputs: a few bf16 units apart
 
 
