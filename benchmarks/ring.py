@@ -184,7 +184,8 @@ def run_dense(tokens: int, causal: bool, args, device) -> dict:
             if bwd:  # the dK/dV returns
                 for s in steps:
                     span = _span(plan.calls(rank, (rank - s) % world), tokens)
-                    grad = None if span is None else kv.narrow(shard.axis, span.start, span.stop - span.start).contiguous()
+                    grad = None if span is None else kv.narrow(shard.axis, span.start,
+                                                               span.stop - span.start).contiguous()
                     _post_grad(real, plan, kv, shard.axis, grad, s).wait()
         return fn
 

@@ -50,7 +50,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .kvcache import _append
-from .backend import backend_for
+from .backend import backend_for, backend_name
 
 __all__ = ["cascade_attn_with_kvcache"]
 
@@ -106,13 +106,13 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
                        seqused_k=prefix_used, block_table=prefix_table, num_splits=num_splits,
                        k_descale=prefix_k_descale)
     rows_shape, rows_lse_shape = (1, batch * seqlen_q, nheads, headdim_v), (1, nheads, batch * seqlen_q)
-    plan = splits = None
-    if hasattr(backend, "plan_fwd"):  # the Triton path: the prefix's split partials join the final merge
+    plan, splits = None, 0
+    if backend_name(q.device) == "triton":  # a split prefix's partial states join the final merge unmerged
         plan = backend.plan_fwd(rows, k_cache, v_cache, torch.empty(rows_shape, dtype=torch.float32, device=q.device),
                                 torch.empty(rows_lse_shape, dtype=torch.float32, device=q.device),
                                 params=prefix_params, **prefix_args)
-        splits = plan.num_splits if plan.workspace_shapes is not None else None
-    parts = (splits or 1) + 1  # the prefix's partial states, then the suffix's
+        splits = plan.num_splits if plan.workspace_shapes is not None else 0
+    parts = max(splits, 1) + 1  # the prefix's partial states, then the suffix's
     # every partial state in one fp32 buffer, merged by one launch (``merge_parts``): outputs
     # (parts, B, Sq, H, Dv); lse (parts, H, B, Sq), the prefix's order (its rows are (b, s) for each head)
     o_parts = torch.empty((parts, *q.shape[:-1], headdim_v), dtype=torch.float32, device=q.device)
@@ -124,9 +124,6 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
             plan.run(rows, k_cache, v_cache, None, None, prefix_params, None, None, None, prefix_used, prefix_table,
                      workspace=(o_prefix, lse_prefix), k_descale=prefix_k_descale, v_descale=prefix_v_descale,
                      combine=False)
-        elif plan is not None:
-            plan.run(rows, k_cache, v_cache, o_prefix[0], lse_prefix[0], prefix_params, None, None, None, prefix_used,
-                     prefix_table, k_descale=prefix_k_descale, v_descale=prefix_v_descale)
         else:
             _, lse_p = attention(rows, k_cache, v_cache, prefix_params, out=o_prefix[0], v_descale=prefix_v_descale,
                                  **prefix_args)
