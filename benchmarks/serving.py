@@ -19,7 +19,8 @@ Each output is compared with its baseline's (``err``: max |difference|; the fp8 
 bf16 call on the dequantised cache).
 
 * **prefix-launch**: the cascade's prefix call alone (64 packed rows x 32 heads over the 16k
-  shared keys), from a contiguous cache and from 16- and 256-key pages.
+  shared keys), from a contiguous cache and from 16- and 256-key pages; on Hopper also the
+  cascade's own route there (the Gluon kernel's split partial states, merged by one launch).
 
     python benchmarks/serving.py [--quick] [--out DIR] [--dry-run] [--smoke] [--only mixed,fp8,prefix,prefix-launch]
 """
@@ -250,6 +251,37 @@ def prefix_launch(args, rows: Rows, dtype):
         table = perm.to(torch.int32)[None]
         timed(f"paged {page}", lambda: tileattn.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                                           block_table=table), expect)
+        gluon = gluon_partials(q, kp, vp, lens, table)
+        if gluon is not None:
+            timed(f"gluon partials + merge, paged {page}", gluon, expect)
+
+
+def gluon_partials(q, k_pool, v_pool, lens, table):
+    """The cascade's prefix route on Hopper, alone: the Gluon kernel's split partial states over the
+    pool, merged by one launch (the cascade merges them with the suffix's); None where the rule
+    sends the call elsewhere."""
+    import torch
+
+    from tileattn.contract import AttnParams
+    from tileattn.gpu import merge_parts, plan_partials
+    from tileattn.gpu.hopper import HopperPartials
+
+    if q.device.type != "cuda":
+        return None
+    params = AttnParams(q.shape[-1] ** -0.5)
+    plan = plan_partials(q, k_pool, v_pool, params=params, max_seqlen_q=q.shape[1],
+                         max_seqlen_k=table.shape[1] * k_pool.shape[1], seqused_k=lens, block_table=table, num_splits=0)
+    if not isinstance(plan, HopperPartials):
+        return None
+    o_parts = torch.empty((plan.num_splits, *q.shape), device=q.device)
+    lse_parts = torch.empty((plan.num_splits, 1, q.shape[2], q.shape[1]), device=q.device)
+    out, lse = torch.empty_like(q), torch.empty((1, q.shape[2], q.shape[1]), device=q.device)
+
+    def run():
+        plan.run_partials(q, k_pool, v_pool, params, lens, table, o_parts, lse_parts)
+        merge_parts(o_parts, lse_parts, out, lse)
+        return out
+    return run
 
 
 SCENARIOS = {"mixed": mixed, "fp8": fp8, "prefix": prefix, "prefix-launch": prefix_launch}

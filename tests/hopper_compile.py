@@ -361,6 +361,24 @@ def hopper_cases():
     return cases
 
 
+def hopper_partials_cases():
+    """The Gluon forward's split partials over a paged pool (a cascade's prefix): 16- and
+    256-key pages, the query heads of a KV head packed as rows (GQA 4 and MQA 8), each head dim."""
+    g = torch.Generator().manual_seed(4)
+    cases = []
+    for d in hopper_launcher.HOPPER_TILES:
+        for page, group in ((16, 4), (256, 8)):
+            q = torch.randn(1, 64, 8, d, generator=g).to(torch.bfloat16)
+            pool = torch.randn(40, page, 8 // group, d, generator=g).to(torch.bfloat16)
+            table = torch.randperm(40, generator=g)[:32].view(1, 32).to(torch.int32)
+            splits = 4
+            o_parts, lse_parts = torch.empty(splits + 1, 1, 64, 8, d), torch.empty(splits + 1, 1, 8, 64)
+            cases.append((f"hopper partials d{d} page {page} GQA {group}", (q, pool, pool, o_parts[:-1], lse_parts[:-1]),
+                          dict(params=AttnParams(d**-0.5), block_table=table,
+                               seqused_k=torch.tensor([32 * page - 5], dtype=torch.int32), max_seqlen_k=32 * page)))
+    return cases
+
+
 def hopper_bwd_cases():
     """The Gluon backward through its launcher (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
     (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
@@ -455,6 +473,9 @@ def main() -> int:
     todo = []
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
+                                                             "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
+    for name, tensors, kwargs in hopper_partials_cases():
+        todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
     for name, tensors, kwargs in hopper_bwd_cases():
         launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",

@@ -196,3 +196,52 @@ def test_hopper_refuses_the_serving_calls():
     for paged in (False, True):
         assert hopper_fwd_reason(packed, packed[:, :2], packed[:, :2], params, alibi_slopes=None, varlen=True,
                                  paged=paged, seqused_k=used, num_splits=0, max_seqlen_q=256) is not None
+
+
+@pytest.mark.parametrize("head_dim, page, group, prefix_len, rows", [
+    (128, 16, 4, 16384 - 37, 64),  # the cascade's shape: 64 requests, GQA 32/8, the last page part-filled
+    (128, 256, 4, 1000, 3),  # few rows: one block, mostly past the rows; a tile inside a large page
+    (64, 16, 8, 4096, 40),  # whole tiles
+    (256, 64, 1, 777, 130),  # no GQA: one head a row group; rows across two blocks
+    (128, 16, 2, 5, 16),  # fewer keys than one tile
+])
+def test_hopper_partials_over_a_paged_pool(head_dim, page, group, prefix_len, rows):
+    """One sequence over a paged pool (a cascade's prefix) as split partial states, merged by the
+    backend's ``merge_parts``: equal to attention over the gathered keys. The pool's unused
+    slots, the partial buffers and the outputs start as NaN; the table is a random permutation."""
+    from tileattn.gpu import merge_parts, plan_partials
+    from tileattn.gpu.hopper import HopperPartials, hopper_partials_reason
+
+    gen = torch.Generator().manual_seed(head_dim + page + group + rows)
+    nheads_k, dtype = 8 // group, torch.bfloat16
+    nheads = nheads_k * group
+    blocks = -(-prefix_len // page)
+    num_blocks = blocks + 7
+    keys = torch.randn(prefix_len, nheads_k, head_dim, generator=gen).to(dtype)
+    values = torch.randn(prefix_len, nheads_k, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:blocks].to(torch.int32)
+    k_pool = torch.full((num_blocks, page, nheads_k, head_dim), float("nan"), dtype=dtype)
+    v_pool = k_pool.clone()
+    for i in range(blocks):
+        k_pool[table[i], :min(page, prefix_len - i * page)] = keys[i * page:(i + 1) * page]
+        v_pool[table[i], :min(page, prefix_len - i * page)] = values[i * page:(i + 1) * page]
+    q = torch.randn(1, rows, nheads, head_dim, generator=gen).to(dtype)
+    params = AttnParams(head_dim**-0.5)
+    qc, kc, vc, tc = q.cuda(), k_pool.cuda(), v_pool.cuda(), table.view(1, -1).cuda()
+    used = torch.tensor([prefix_len], dtype=torch.int32, device="cuda")
+    assert hopper_partials_reason(qc, kc, vc, params, tc, used) is None, "the Gluon kernel does not take the call"
+    plan = plan_partials(qc, kc, vc, params=params, max_seqlen_q=rows, max_seqlen_k=blocks * page, seqused_k=used,
+                         block_table=tc, num_splits=0)
+    assert isinstance(plan, HopperPartials)
+    o_parts = torch.full((plan.num_splits, 1, rows, nheads, head_dim), float("nan"), device="cuda")
+    lse_parts = torch.full((plan.num_splits, 1, nheads, rows), float("nan"), device="cuda")
+    plan.run_partials(qc, kc, vc, params, used, tc, o_parts, lse_parts)
+    out = torch.full_like(qc, float("nan"))
+    lse = torch.full((1, nheads, rows), float("nan"), device="cuda")
+    merge_parts(o_parts, lse_parts, out, lse)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention_naive(q.double().numpy(), keys[None].double().numpy(),
+                                                 values[None].double().numpy())
+    plain_out, plain_lse = plain_attention(q, keys[None], values[None])
+    assert_within("out", out, plain_out, ref_out)
+    assert_within("lse", lse, plain_lse, ref_lse)

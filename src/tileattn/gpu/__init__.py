@@ -3,11 +3,12 @@
 Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``; and
 ``append_kv``, the one-launch append of a decoding step's keys and values to its cache, and
 ``plan_fwd``, the forward's launch plan for callers that launch it many times (``DecodePlan``);
-``merge_parts``, one launch merging partial states (``tileattn.contract``).
+``plan_partials``, a paged sequence's attention as unmerged split partial states (a cascade's
+prefix); ``merge_parts``, one launch merging partial states (``tileattn.contract``).
 """
 
-from .attention import attn_fwd, merge_parts, plan_fwd
+from .attention import attn_fwd, merge_parts, plan_fwd, plan_partials
 from .backward import attn_bwd
 from .kvcache import append_kv
 
-__all__ = ["attn_fwd", "attn_bwd", "append_kv", "merge_parts", "plan_fwd"]
+__all__ = ["attn_fwd", "attn_bwd", "append_kv", "merge_parts", "plan_fwd", "plan_partials"]

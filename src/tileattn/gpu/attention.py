@@ -42,9 +42,9 @@ from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       plan_for)
 from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
-from .hopper import hopper_attn_fwd, hopper_fwd_reason
+from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
 
-__all__ = ["attn_fwd", "plan_fwd", "clear_plans", "FwdPlan"]
+__all__ = ["attn_fwd", "plan_fwd", "plan_partials", "clear_plans", "FwdPlan"]
 
 PACK_GQA_MAX_SEQLEN_Q = 64  # pack the heads of a GQA group when the queries alone fill so few rows
 DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the small decode tile
@@ -243,6 +243,24 @@ def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seq
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
     return plan_for(_PLANS, key, FwdPlan)
+
+
+def plan_partials(q, k, v, *, params: AttnParams, max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table,
+                  num_splits: int, k_descale=None):
+    """One sequence's attention over a paged pool (a cascade's shared prefix, q (1, rows, H, D))
+    as unmerged partial states over key splits, for the caller's ``merge_parts``: a plan with
+    ``num_splits`` and ``run_partials(q, k, v, params, seqused_k, block_table, o_parts, lse_parts,
+    k_descale, v_descale)`` writing (splits, 1, rows, H, Dv) / (splits, 1, H, rows) fp32, or None
+    when the call does not split (the caller then makes the ordinary call). On Hopper, with no
+    split count asked, the Gluon kernel (the query heads of a KV head packed as rows); else the
+    portable kernel's split plan."""
+    if num_splits == 0 and k_descale is None and hopper_partials_reason(q, k, v, params, block_table, seqused_k) is None:
+        return HopperPartials(hopper_partials_splits(q, k, max_seqlen_k), max_seqlen_k)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    plan = plan_fwd(q, k, v, out, lse, params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, k_descale=k_descale)
+    return plan if plan.workspace_shapes is not None else None
 
 
 def _stride_class(x: int) -> int:
@@ -515,6 +533,12 @@ class FwdPlan:
                           learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
         if self.combine is not None and combine:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
+
+    def run_partials(self, q, k, v, params: AttnParams, seqused_k, block_table, o_parts, lse_parts, k_descale=None,
+                     v_descale=None) -> None:
+        """``plan_partials``'s launch: the split partial states into ``o_parts``/``lse_parts``, unmerged."""
+        self.run(q, k, v, None, None, params, None, None, None, seqused_k, block_table, workspace=(o_parts, lse_parts),
+                 k_descale=k_descale, v_descale=v_descale, combine=False)
 
     def new_workspace(self, device) -> tuple | None:
         """fp32 buffers for the split partial states (o, lse), or None without splits."""

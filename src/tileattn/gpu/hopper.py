@@ -26,7 +26,8 @@ from ..contract import AttnParams
 from ._launch import arg_classes, cdiv, launch_for
 from ._tuning import interpreting
 
-__all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "HOPPER_TILES"]
+__all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "hopper_partials_reason", "hopper_partials_splits",
+           "hopper_attn_partials", "HopperPartials", "HOPPER_TILES"]
 
 HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
 BLOCK_M, ROWS_WG = 128, 64
@@ -170,40 +171,129 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
                     max_seqlen_q: int = 0, max_seqlen_k: int = 0, learnable_sink=None) -> None:
     """Forward into ``out``/``lse`` (dense, or packed with ``cu_seqlens_q/k``; ``learnable_sink``
     fp32 (nheads,) or None); the call must have passed ``hopper_fwd_reason``."""
-    from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
-
     varlen = cu_seqlens_q is not None
     if varlen:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
         batch = cu_seqlens_q.shape[0] - 1
         seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]
         seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        o_strides = (0, out.stride(0), out.stride(1))
-        l_strides = (0, lse.stride(0), lse.stride(1))
+        o_strides = (0, out.stride(0), out.stride(1), 0)
+        l_strides = (0, lse.stride(0), lse.stride(1), 0)
     else:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
-    nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
-    block_n, stages = HOPPER_TILES[head_dim]
-    q_desc = _descriptor(q, (1, ROWS_WG, 1, head_dim))
-    k_desc = _descriptor(k, (1, block_n, 1, head_dim))
-    v_desc = _descriptor(v, (1, block_n, 1, head_dim))
-    works = cdiv(seqlen_q, BLOCK_M) * batch * nheads
+        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
+    block_n, stages = HOPPER_TILES[q.shape[3]]
+    works = cdiv(seqlen_q, BLOCK_M) * batch * q.shape[2]
     if varlen or params.window_left >= 0 or params.window_right >= 0:
         # Items of unequal cost (causal diagonal, windows, packed lengths): one program per item,
         # so the hardware's block scheduler balances them. A static round-robin over one program
         # per SM measured 435 against 625 TFLOP/s at hdim 128, causal, 16k (docs/perf-notes.md).
         programs = works
     else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
-        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
-        programs = min(works, sms)
-    args = (q_desc, k_desc, v_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, *o_strides, *l_strides,
-            batch, nheads, seqlen_q, seqlen_k, params.softmax_scale * LOG2E.value, params.window_left,
-            params.window_right)
+        programs = min(works, _sms(q))
+    _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
+                learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _sms(q) -> int:
+    return _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
+
+
+def _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs,
+                block_n, stages, *, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+                block_table=None, qpack=1, num_splits=1, tiles_per_split=2**30) -> None:
+    """The one launch of the Gluon forward: descriptors, integer arguments, flags. q, k, v are 4-D
+    (batch, seqlen, heads, dim), k and v the pool (num_blocks, page, heads_k, dim) with
+    ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split) and (batch,
+    head, seqlen, split) of ``out``/``lse``."""
+    from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
+
+    nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
+    if qpack > 1:  # rows (query, head of the KV head's group): a 5-D view (B, S, H_k, qpack, D)
+        q5 = q.unflatten(2, (nheads // qpack, qpack))
+        q_desc = _descriptor(q5, (1, ROWS_WG // qpack, 1, qpack, head_dim))
+    else:
+        q_desc = _descriptor(q, (1, ROWS_WG, 1, head_dim))
+    page = k.shape[1] if block_table is not None else 0
+    kv_rows = min(page, block_n) if page else block_n
+    k_desc = _descriptor(k, (1, kv_rows, 1, head_dim))
+    v_desc = _descriptor(v, (1, kv_rows, 1, head_dim))
+    table = (block_table.stride(0), block_table.shape[1]) if block_table is not None else (0, 0)
+    args = (q_desc, k_desc, v_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+            *o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split,
+            params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
     launch_gluon(_attn_fwd_hopper_kernel, (programs, 1, 1), args, dict(
-        GROUP=nheads // nheads_k, IS_VARLEN=varlen, MASK_LEFT=params.window_left >= 0,
-        MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None, STAGES=stages))
+        GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
+        MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
+        PAGE=page, BLOCK_N=block_n, STAGES=stages))
 
 
+def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table, seqused_k) -> str | None:
+    """None when ``hopper_attn_partials`` can compute this call, else why not: one sequence
+    (q (1, rows, heads, dim)) over a paged pool, no mask (a cascade's shared prefix)."""
+    if q.shape[0] != 1 or block_table is None or seqused_k is None:
+        return "not one sequence over a paged pool"
+    if params.window_left >= 0 or params.window_right >= 0:
+        return "masked"
+    why = device_reason(q)
+    if why is not None:
+        return why
+    if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtypes {q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim not in HOPPER_TILES or v_cache.shape[-1] != head_dim:
+        return f"head dim {head_dim}"
+    block_n, page = HOPPER_TILES[head_dim][0], k_cache.shape[1]
+    if not (page % block_n == 0 or (block_n % page == 0 and page % 8 == 0)):
+        return f"pages of {page} keys"
+    if ROWS_WG % (q.shape[2] // k_cache.shape[2]):
+        return "query heads per KV head do not divide 64"
+    why = options_reason(params, None)
+    if why is not None:
+        return why
+    if not all(_tma_ok(t) for t in (q, k_cache, v_cache)):
+        return "strides not 16-byte aligned"
+    return None
+
+
+def hopper_partials_splits(q, k_cache, max_seqlen_k: int) -> int:
+    """How many key splits ``hopper_attn_partials`` makes: enough work items for one per SM, each
+    split at least 4 key tiles."""
+    group = q.shape[2] // k_cache.shape[2]
+    block_n = HOPPER_TILES[q.shape[-1]][0]
+    items = cdiv(q.shape[1] * group, BLOCK_M) * k_cache.shape[2]
+    return max(1, min(_sms(q) // items, cdiv(max_seqlen_k, block_n) // 4))
+
+
+class HopperPartials:
+    """``gpu.attention.plan_partials``'s plan on Hopper: ``num_splits`` key splits of the Gluon kernel."""
+
+    def __init__(self, num_splits: int, max_seqlen_k: int):
+        self.num_splits, self.max_seqlen_k = num_splits, max_seqlen_k
+
+    def run_partials(self, q, k, v, params: AttnParams, seqused_k, block_table, o_parts, lse_parts, k_descale=None,
+                     v_descale=None) -> None:
+        assert k_descale is None and v_descale is None, "FP8 pools take the portable kernel"
+        hopper_attn_partials(q, k, v, o_parts, lse_parts, params=params, block_table=block_table, seqused_k=seqused_k,
+                             max_seqlen_k=self.max_seqlen_k)
+
+
+def hopper_attn_partials(q, k_cache, v_cache, o_parts, lse_parts, *, params: AttnParams, block_table, seqused_k,
+                         max_seqlen_k: int) -> None:
+    """The partial states of ``o_parts.shape[0]`` key splits of one sequence's attention over a
+    paged pool, unmerged: ``o_parts`` (splits, 1, rows, heads, dim) and ``lse_parts`` (splits, 1,
+    heads, rows), fp32 (``merge_parts`` merges them with others). The query heads that share a KV
+    head are packed as rows, so each key tile is read once for all of them. The call must have
+    passed ``hopper_partials_reason``."""
+    splits, rows, nheads = o_parts.shape[0], q.shape[1], q.shape[2]
+    block_n, stages = HOPPER_TILES[q.shape[3]]
+    qpack = nheads // k_cache.shape[2]
+    tiles_per_split = cdiv(cdiv(max_seqlen_k, block_n), splits)
+    items = cdiv(rows * qpack, BLOCK_M) * k_cache.shape[2] * splits
+    o_strides = (o_parts.stride(1), o_parts.stride(2), o_parts.stride(3), o_parts.stride(0))
+    l_strides = (lse_parts.stride(1), lse_parts.stride(2), lse_parts.stride(3), lse_parts.stride(0))
+    _launch_fwd(q, k_cache, v_cache, o_parts, lse_parts, o_strides, l_strides, params, 1, rows, max_seqlen_k,
+                min(items, _sms(q)), block_n, stages, seqused_k=seqused_k, block_table=block_table,
+                qpack=qpack, num_splits=splits, tiles_per_split=tiles_per_split)

@@ -27,11 +27,28 @@ the mask only on tiles outside the fully visible range (a uniform branch per til
 Features: dense and packed (varlen) batches, causal and sliding windows (bottom-right
 aligned), GQA/MQA, head dims 64, 128 and 256, fp16/bf16, learnable sinks. Everything else runs on the portable
 kernel; the launcher (``tileattn.gpu.hopper``) decides per call.
+
+Three flags serve a call with few query rows per head over many keys (a cascade's shared prefix:
+every request's query row over one prompt):
+
+* ``QPACK`` (a divisor of ``GROUP``): the ``QPACK`` query heads that share a KV head are packed
+  as the rows of one work item, row i being query row i // QPACK of head h QPACK + i % QPACK
+  (a 5-D Q descriptor, box [ROWS_WG / QPACK, 1, QPACK, D]), so each K/V tile serves them all.
+* ``NUM_SPLITS`` > 1 (runtime): each work item takes ``tiles_per_split`` key tiles of its
+  sequence and writes its partial state (out normalised by its own sum, fp32, and its lse) to
+  split ``s`` of the outputs; the caller merges them (``combine.py``'s kernel).
+* ``PAGE`` > 0: K and V live in a paged pool (num_blocks, PAGE, heads_k, D); the producer reads
+  each tile's block ids from ``BlockTable`` and copies one page (or one tile of a larger page)
+  per TMA copy into the ring slot; ``SequsedK`` gives each sequence's key count. Ids past the
+  table are sent out of the pool's bounds, which TMA fills with zeros; the rows of a sequence's
+  last page past its keys may hold anything (NaN), so that tile's V rows there are zeroed before
+  its P V product.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from .common import online_rescale, visible_mask
 
@@ -42,6 +59,8 @@ _visible_mask = gluon.jit(visible_mask.fn)
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+ROWS_WG: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (a block is two)
+OUT_OF_POOL: gl.constexpr = gl.constexpr(2**30)  # a page id past any pool: TMA reads zeros
 
 
 @gluon.jit
@@ -96,21 +115,67 @@ def _sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, IS_VARLEN: gl.const
 
 
 @gluon.jit
-def _work(w, num_m_blocks, nheads, GROUP: gl.constexpr, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
-          window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Work item ``w`` of the persistent grid: query block ``num_m_blocks - 1 - w % num_m_blocks``
-    (heaviest causal blocks first) of head ``w // num_m_blocks``. Every partition calls this and
-    walks the same items. Returns (b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k,
-    b_desc, n_lo, n_hi, valid); a packed sequence shorter than the block's start is not valid."""
-    m_start = (num_m_blocks - 1 - w % num_m_blocks) * BLOCK_M
-    bh = w // num_m_blocks
-    b = bh // nheads
-    h = bh % nheads
+def _work(w, geom, GROUP: gl.constexpr, QPACK: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
+          HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Work item ``w`` of the grid: query block ``num_m_blocks - 1 - w % num_m_blocks`` (heaviest
+    causal blocks first; in packed rows, ``QPACK`` per query) of key split ``(w // num_m_blocks) %
+    num_splits`` of work head ``h`` (a query head, or with ``QPACK`` a group of them). Every
+    partition calls this and walks the same items. Returns (b, h, hk, split, m_start, q_start,
+    k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid); a packed sequence shorter than the
+    block's start is not valid, a split past its sequence's keys has no tiles."""
+    CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits, \
+        tiles_per_split = geom
+    heads = nheads // QPACK
+    num_m_blocks = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG)
+    m_start = (num_m_blocks - 1 - w % num_m_blocks) * (2 * ROWS_WG)
+    rest = w // num_m_blocks
+    split = rest % num_splits
+    bh = rest // num_splits
+    b = bh // heads
+    h = bh % heads
     q_start, k_start, seqlen_q, seqlen_k, b_desc = _sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, IS_VARLEN)
-    n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
-                                   MASK_LEFT, MASK_RIGHT)
-    return b, h, h // GROUP, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, m_start < seqlen_q
+    if HAS_SEQUSED:
+        seqlen_k = gl.load(SequsedK + b)
+    n_lo, _, _, n_hi = _tile_range(m_start // QPACK, 2 * ROWS_WG // QPACK, BLOCK_N, seqlen_q, seqlen_k, window_left,
+                                   window_right, MASK_LEFT, MASK_RIGHT)
+    n_lo = gl.maximum(n_lo, split * tiles_per_split)
+    n_hi = gl.maximum(gl.minimum(n_hi, (split + 1) * tiles_per_split), n_lo)
+    return (b, h, h // (GROUP // QPACK), split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi,
+            m_start < seqlen_q * QPACK)
+
+
+@gluon.jit
+def _copy_kv(desc, ring, bar, slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb, table_len,
+             BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+    """Issue the TMA copies of key tile ``t`` (K or V, by ``desc``) into ring slot ``slot``,
+    completing on ``bar``: one copy of the dense tile, or one per page (``PAGE`` keys each,
+    or one tile of a larger page) with the page ids read from the block table."""
+    mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // desc.block_type.shape[1]))
+    if PAGE > 0:
+        PAGE_ROWS: gl.constexpr = desc.block_type.shape[1]
+        for i in gl.static_range(BLOCK_N // PAGE_ROWS):
+            key = t * BLOCK_N + i * PAGE_ROWS
+            idx = key // PAGE
+            block = gl.load(BlockTable + b.to(gl.int64) * stride_tb + idx, mask=idx < table_len, other=OUT_OF_POOL)
+            tma.async_copy_global_to_shared(desc, [block, key % PAGE, hk, 0], bar,
+                                            ring.index(slot).slice(i * PAGE_ROWS, PAGE_ROWS, dim=1))
+    else:
+        tma.async_copy_global_to_shared(desc, [b_desc, k_start + t * BLOCK_N, hk, 0], bar, ring.index(slot))
+
+
+@gluon.jit
+def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero rows ``first``.. of the [BLOCK_N, HEAD_DIM] shared tile (16 rows at a time, only the
+    chunks that hold such rows), then fence them for the tensor cores' reads. Both consumer
+    warpgroups may do it on the same tile: they write the same values."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    for i in gl.static_range(BLOCK_N // 16):
+        if (i + 1) * 16 > first:
+            chunk = tile.slice(i * 16, 16, dim=0)
+            rows = i * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            vals = chunk.load(layout)
+            chunk.store(gl.where((rows < first)[:, None], vals, gl.zeros_like(vals)))
+    fence_async_shared()
 
 
 @gluon.jit
@@ -137,59 +202,61 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, CuSeqlensK, batch, nheads, seqlen_q_arg,
-              seqlen_k_arg, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
+              GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
     """The load warp: for each work item, the two warpgroups' Q tiles, then K and V tile by tile.
 
     A buffer is refilled once its consumers have arrived on its ``empty`` barrier (a fresh
     barrier counts as having completed the phase before its first, so round 0 starts at once);
     the copies for the next item start while the consumers finish the current one."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    ROWS_WG: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    num_m_blocks = gl.cdiv(seqlen_q_arg, 2 * ROWS_WG)
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
+    items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
     c = 0  # K/V copies issued so far
     j = 0  # work items loaded so far
-    for w in range(gl.program_id(0), num_m_blocks * batch * nheads, gl.num_programs(0)):
-        b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
-            w, num_m_blocks, nheads, GROUP, CuSeqlensQ, CuSeqlensK, seqlen_q_arg, seqlen_k_arg, window_left,
-            window_right, 2 * ROWS_WG, BLOCK_N, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    for w in range(gl.program_id(0), items, gl.num_programs(0)):
+        b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+            w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
         if valid:
             for wg in gl.static_range(2):
                 mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
                 mbarrier.expect(q_full.index(wg), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
-                                                q_full.index(wg), q_smem.index(wg))
+                if QPACK > 1:  # rows (query, head of the group) of the 5-D view (B, S, H_k, QPACK, D)
+                    tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + (m_start + wg * ROWS_WG) // QPACK, h,
+                                                             0, 0], q_full.index(wg), q_smem.index(wg))
+                else:
+                    tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
+                                                    q_full.index(wg), q_smem.index(wg))
             for t in range(n_lo, n_hi):
                 slot = c % STAGES
                 phase = (c // STAGES) & 1
                 mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b_desc, k_start + t * BLOCK_N, hk, 0], k_full.index(slot),
-                                                k_ring.index(slot))
+                _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE)
                 mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [b_desc, k_start + t * BLOCK_N, hk, 0], v_full.index(slot),
-                                                v_ring.index(slot))
+                _copy_kv(v_desc, v_ring, v_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE)
                 c += 1
             j += 1
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK,
-              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q_arg,
-              seqlen_k_arg, scale_log2, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os,
+              stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
+              GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
-    [64 WG, 64 WG + 64) of the block) over every key tile of the block.
+    [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
     ``HAS_SINK``: the head's learnable sink (a logit without a value) starts each row's state
     as one term already seen, m = sink (log2 units) and l = 1; a row that sees no key then
     gets out 0 and lse = sink, as in ``attn_fwd.py``."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    window_left, window_right = geom[7], geom[8]
+    HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -199,28 +266,29 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, Cu
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    q_tile = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
-    num_m_blocks = gl.cdiv(seqlen_q_arg, 2 * BLOCK_M)
+    s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, layout=s_layout)
+    q_tile = q_smem.index(WG).reshape([ROWS_WG, HEAD_DIM])
+    batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
+    items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
     c = 0  # K/V copies consumed so far: the ring position of the item's first tile
     j = 0  # work items done: the Q buffer's phase
-    for w in range(gl.program_id(0), num_m_blocks * batch * nheads, gl.num_programs(0)):
-        b, h, hk, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
-            w, num_m_blocks, nheads, GROUP, CuSeqlensQ, CuSeqlensK, seqlen_q_arg, seqlen_k_arg, window_left,
-            window_right, 2 * BLOCK_M, BLOCK_N, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    for w in range(gl.program_id(0), items, gl.num_programs(0)):
+        b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+            w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
         if valid:
-            m_start = m_start + WG * BLOCK_M
-            _, full_lo, full_hi, _ = _tile_range(m_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left,
-                                                 window_right, MASK_LEFT, MASK_RIGHT)
+            m_start = m_start + WG * ROWS_WG  # in packed rows
+            _, full_lo, full_hi, _ = _tile_range(m_start // QPACK, ROWS_WG // QPACK, BLOCK_N, seqlen_q, seqlen_k,
+                                                 window_left, window_right, MASK_LEFT, MASK_RIGHT)
             diag_off = seqlen_k - seqlen_q
-            q_pos = m_start + gl.arange(0, BLOCK_M, layout=row_s)  # [BLOCK_M]
+            rows_s = m_start + gl.arange(0, ROWS_WG, layout=row_s)  # [ROWS_WG] packed rows
+            q_pos = rows_s // QPACK  # [ROWS_WG] query positions
             if HAS_SINK:
-                m_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s) + gl.load(Sink + h) * LOG2E
-                l_i = gl.full([BLOCK_M], 1.0, gl.float32, layout=row_s)
+                m_i = gl.load(Sink + h * QPACK + rows_s % QPACK) * LOG2E  # [ROWS_WG] each row's head's sink
+                l_i = gl.full([ROWS_WG], 1.0, gl.float32, layout=row_s)
             else:
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
-                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum
-            o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
+                m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
+                l_i = gl.zeros([ROWS_WG], gl.float32, layout=row_s)  # running sum
+            o = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, layout=o_layout)  # [ROWS_WG, HEAD_DIM]
             off = c - n_lo  # tile t of this item is the ring's copy t + off
             mbarrier.wait(q_full.index(WG), j & 1)
             if n_hi > n_lo:
@@ -236,7 +304,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, Cu
                     k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
                     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)  # [BLOCK_M, BLOCK_N] A operand in registers
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)  # [ROWS_WG, BLOCK_N] A operand in registers
                     o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
                     mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
@@ -248,6 +316,9 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, Cu
                     mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
                     o = o * gl.convert_layout(alpha, row_o)[:, None]
                 v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+                if PAGE > 0:
+                    if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
+                        _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 o = warpgroup_mma(p_op, v_tile, o)
                 mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
@@ -255,31 +326,34 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, Cu
             c += n_hi - n_lo
             j += 1
 
-            empty = l_i == 0.0  # [BLOCK_M] rows that saw no key (and no sink): out 0, lse -inf
+            empty = l_i == 0.0  # [ROWS_WG] rows that saw no key (and no sink): out 0, lse -inf
             l_safe = gl.where(empty, 1.0, l_i)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [ROWS_WG] natural log
             o = o / gl.convert_layout(l_safe, row_o)[:, None]
-            rows_o = m_start + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M]
+            rows_o = m_start + gl.arange(0, ROWS_WG, layout=row_o)  # [ROWS_WG] packed rows
             cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-            o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            o_ptrs = o_base + (q_start + rows_o).to(gl.int64)[:, None] * stride_os + cols_o[None, :]
-            gl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])  # [BLOCK_M, HEAD_DIM]
-            l_base = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-            gl.store(l_base + (q_start + q_pos).to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
+            o_base = Out + split.to(gl.int64) * stride_osplit + b.to(gl.int64) * stride_ob
+            o_row = (q_start + rows_o // QPACK).to(gl.int64) * stride_os + (h * QPACK + rows_o % QPACK) * stride_oh
+            gl.store(o_base + o_row[:, None] + cols_o[None, :], o.to(Out.dtype.element_ty),
+                     mask=(rows_o // QPACK < seqlen_q)[:, None])  # [ROWS_WG, HEAD_DIM]
+            l_base = Lse + split.to(gl.int64) * stride_lsplit + b.to(gl.int64) * stride_lb
+            l_row = (q_start + q_pos).to(gl.int64) * stride_ls + (h * QPACK + rows_s % QPACK) * stride_lh
+            gl.store(l_base + l_row, lse, mask=q_pos < seqlen_q)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    batch, nheads, seqlen_q, seqlen_k, scale_log2, window_left, window_right,
-    GROUP: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-    HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    q_desc, k_desc, v_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, stride_tb, table_len,
+    batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, scale_log2, window_left, window_right,
+    GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
-    of one (sequence, head) each, ordered by ``_work``): with P = the number of SMs the grid is
-    persistent; the launcher makes P the number of items when their costs differ.
+    of one (sequence, head, key split) each, ordered by ``_work``): with P = the number of SMs
+    the grid is persistent; the launcher makes P the number of items when their costs differ.
 
     Three partitions: the default one (``num_warps`` = 4) and a worker warpgroup consume rows
     [0, 64) and [64, 128) of each block; one worker warp produces (TMA). The consumers share
@@ -290,12 +364,15 @@ def _attn_fwd_hopper_kernel(
     ``IS_VARLEN``: the descriptors view packed (tokens, heads, dim) tensors as batch 1,
     sequence ``b`` owns rows cu_seqlens[b]:cu_seqlens[b + 1], and ``seqlen_q`` is the longest
     sequence (it sizes the work list); blocks past a sequence's end are skipped. A key tile that
-    runs past its sequence reads the next sequence's rows, whose scores are masked to -inf."""
+    runs past its sequence reads the next sequence's rows, whose scores are masked to -inf.
+    ``HAS_SEQUSED``: sequence b has ``SequsedK[b]`` keys (``seqlen_k`` is then the most, which
+    sizes the splits); ``PAGE``, ``QPACK``, ``num_splits``: the module's docstring."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -311,16 +388,15 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
-
+    geom = (CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits,
+            tiles_per_split)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, stride_ob,
-                     stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k,
-                     scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, HAS_SINK,
-                     STAGES)),
-        (_consumer, (1, q_smem, k_ring, v_ring, bars, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, stride_ob,
-                     stride_os, stride_oh, stride_lb, stride_lh, stride_ls, batch, nheads, seqlen_q, seqlen_k,
-                     scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, HAS_SINK,
-                     STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, CuSeqlensQ, CuSeqlensK, batch, nheads,
-                     seqlen_q, seqlen_k, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os, stride_oh,
+                     stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN,
+                     HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES)),
+        (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os, stride_oh,
+                     stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN,
+                     HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
+                     GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

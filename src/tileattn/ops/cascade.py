@@ -10,7 +10,9 @@ each request's own keys (its suffix) live in blocks of its own. Attention of req
     out_b        = merge(o_p, lse_p, o_s, lse_s)               (one launch: the backend's merge_parts)
 
 When the prefix call splits its keys (flash-decoding, on the Triton path), its split partial
-states are not merged on their own: they join the suffix's state in that one final merge.
+states are not merged on their own: they join the suffix's state in that one final merge. On
+Hopper the prefix call is the Gluon forward kernel (TMA copies of the prefix's pages, the query
+heads of each KV head packed as the rows of one tile), split over the keys to fill the GPU.
 
 On CUDA the prefix call runs on a second stream beside the suffix call: the prefix call is
 compute-bound (a prefill's shape), the suffix call reads each request's own keys once
@@ -108,10 +110,8 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
     rows_shape, rows_lse_shape = (1, batch * seqlen_q, nheads, headdim_v), (1, nheads, batch * seqlen_q)
     plan, splits = None, 0
     if backend_name(q.device) == "triton":  # a split prefix's partial states join the final merge unmerged
-        plan = backend.plan_fwd(rows, k_cache, v_cache, torch.empty(rows_shape, dtype=torch.float32, device=q.device),
-                                torch.empty(rows_lse_shape, dtype=torch.float32, device=q.device),
-                                params=prefix_params, **prefix_args)
-        splits = plan.num_splits if plan.workspace_shapes is not None else 0
+        plan = backend.plan_partials(rows, k_cache, v_cache, params=prefix_params, **prefix_args)
+        splits = plan.num_splits if plan is not None else 0
     parts = max(splits, 1) + 1  # the prefix's partial states, then the suffix's
     # every partial state in one fp32 buffer, merged by one launch (``merge_parts``): outputs
     # (parts, B, Sq, H, Dv); lse (parts, H, B, Sq), the prefix's order (its rows are (b, s) for each head)
@@ -121,9 +121,8 @@ def cascade_attn_with_kvcache(q, k_cache, v_cache, prefix_block_table, prefix_le
     side = _side_stream(q.device)
     with _forked(side):  # on CUDA beside the suffix call (memory-bound)
         if splits:
-            plan.run(rows, k_cache, v_cache, None, None, prefix_params, None, None, None, prefix_used, prefix_table,
-                     workspace=(o_prefix, lse_prefix), k_descale=prefix_k_descale, v_descale=prefix_v_descale,
-                     combine=False)
+            plan.run_partials(rows, k_cache, v_cache, prefix_params, prefix_used, prefix_table, o_prefix, lse_prefix,
+                              prefix_k_descale, prefix_v_descale)
         else:
             _, lse_p = attention(rows, k_cache, v_cache, prefix_params, out=o_prefix[0], v_descale=prefix_v_descale,
                                  **prefix_args)
