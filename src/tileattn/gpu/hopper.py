@@ -127,6 +127,16 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
     short = short_call(params, q.shape[-1], rows, "fwd")
     if short is not None:
         return short
+    why = _operands_reason(q, k, v)
+    if why is not None:
+        return why
+    if q.shape[0] == 0 or k.shape[seq_dim] == 0:
+        return "empty batch or keys"
+    return options_reason(params, alibi_slopes) or _aligned_reason(q, k, v)
+
+
+def _operands_reason(q, k, v) -> str | None:
+    """Why the Gluon forward cannot take these tensors (device, dtypes, head dims), or None."""
     why = device_reason(q)
     if why is not None:
         return why
@@ -134,14 +144,11 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
-    if q.shape[0] == 0 or k.shape[seq_dim] == 0:
-        return "empty batch or keys"
-    why = options_reason(params, alibi_slopes)
-    if why is not None:
-        return why
-    if not all(_tma_ok(t) for t in (q, k, v)):
-        return "strides not 16-byte aligned"
     return None
+
+
+def _aligned_reason(*tensors) -> str | None:
+    return None if all(_tma_ok(t) for t in tensors) else "strides not 16-byte aligned"
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,25 +244,15 @@ def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table,
         return "not one sequence over a paged pool"
     if params.window_left >= 0 or params.window_right >= 0:
         return "masked"
-    why = device_reason(q)
+    why = _operands_reason(q, k_cache, v_cache)
     if why is not None:
         return why
-    if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"dtypes {q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim not in HOPPER_TILES or v_cache.shape[-1] != head_dim:
-        return f"head dim {head_dim}"
-    block_n, page = HOPPER_TILES[head_dim][0], k_cache.shape[1]
+    block_n, page = HOPPER_TILES[q.shape[-1]][0], k_cache.shape[1]
     if not (page % block_n == 0 or (block_n % page == 0 and page % 8 == 0)):
         return f"pages of {page} keys"
     if ROWS_WG % (q.shape[2] // k_cache.shape[2]):
         return "query heads per KV head do not divide 64"
-    why = options_reason(params, None)
-    if why is not None:
-        return why
-    if not all(_tma_ok(t) for t in (q, k_cache, v_cache)):
-        return "strides not 16-byte aligned"
-    return None
+    return options_reason(params, None) or _aligned_reason(q, k_cache, v_cache)
 
 
 def hopper_partials_splits(q, k_cache, max_seqlen_k: int) -> int:
