@@ -311,10 +311,8 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
 
     def local(calls):  # my queries over my own shard: gradients into dq and dkv
         for call in calls:
-            direct_kv = fresh["kv"] and isinstance(call.kv, slice)
-            if direct_kv:  # the first local call writes its rows of dkv; the others start at 0
-                _zero_outside(dkv, call.kv, shard.axis)
-            elif fresh["kv"]:
+            direct_kv = fresh["kv"] and len(local_first) == 1 and not local_last and _whole(call.kv, plan.length)
+            if fresh["kv"] and not direct_kv:
                 dkv.zero_()
             fresh["kv"] = False
             _bwd_into(backend, call, dout, q, shard.split(own), out, lse, dlse, plan.packed, deterministic, dq, fresh,
@@ -359,14 +357,12 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
 
 def _bwd_into(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, deterministic: bool, dq, fresh: dict,
               acc_kv, direct_kv: bool) -> None:
-    """One call's gradients: dq's rows into ``dq`` (written directly by the first call, the rows it
-    does not cover zeroed; later calls' added), dk/dv's rows into ``acc_kv`` = (dk, dv) (written
-    directly when ``direct_kv``, else added)."""
+    """One call's gradients: dq's rows into ``dq`` (written directly by the first call when it
+    covers every row, else added), dk/dv's rows into ``acc_kv`` = (dk, dv) (written directly when
+    ``direct_kv``, else added)."""
     axis = 0 if packed else 1
-    direct_q = fresh["q"] and isinstance(call.q, slice)
-    if direct_q:  # the first call writes its rows of dq; the others start at 0
-        _zero_outside(dq, call.q, axis)
-    elif fresh["q"]:
+    direct_q = fresh["q"] and _whole(call.q, q.shape[axis])
+    if fresh["q"] and not direct_q:
         dq.zero_()
     fresh["q"] = False
     dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, dlse, packed, deterministic,
@@ -376,12 +372,6 @@ def _bwd_into(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, de
     if not direct_kv:
         _add_rows(acc_kv[0], call.kv, dk_c, axis)
         _add_rows(acc_kv[1], call.kv, dv_c, axis)
-
-
-def _zero_outside(acc, rows: slice, axis: int) -> None:
-    """Zero the rows of ``acc`` (token axis ``axis``) outside ``rows``: a first call writes the others."""
-    _narrow(acc, slice(0, rows.start), axis).zero_()
-    _narrow(acc, slice(rows.stop, acc.shape[axis]), axis).zero_()
 
 
 def _split_local(calls: list[Call], length: int, ring: bool) -> tuple[list[Call], list[Call]]:
