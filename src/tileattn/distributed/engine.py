@@ -292,11 +292,6 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     (the first call) or into the message returning a borrowed shard's gradient, in the inputs'
     dtype (a step's only call over every received row); otherwise they are added up in fp32 (and
     a borrowed shard's sum rounded to the inputs' dtype before it travels).
-
-    Overlap: each step's shard travels while the step before computes, and each returned
-    gradient while the next step computes. The last return would have nothing to hide behind,
-    so the local step's call is cut in two by query rows (``_split_local``): the first half of
-    the rows runs first, beside the first exchange, the second half last, beside that return.
     """
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
@@ -305,91 +300,61 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     own = shard.pack(k, v)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dkv = torch.empty(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard, packed alike
-    fresh = {"q": True, "kv": True}
+    fresh_q = fresh_kv = True
     steps = plan.steps(w)
-    local_first, local_last = _split_local(plan.calls(r, r), plan.length, len(steps) > 1)
-
-    def local(calls):  # my queries over my own shard: gradients into dq and dkv
-        for call in calls:
-            direct_kv = fresh["kv"] and len(local_first) == 1 and not local_last and _whole(call.kv, plan.length)
-            if fresh["kv"] and not direct_kv:
-                dkv.zero_()
-            fresh["kv"] = False
-            _bwd_into(backend, call, dout, q, shard.split(own), out, lse, dlse, plan.packed, deterministic, dq, fresh,
-                      shard.split(dkv), direct_kv)
-
     incoming, returning = None, None
     for i, step in enumerate(steps):
         current = incoming
         if i + 1 < len(steps):  # the next shard travels while this one is used
             incoming = _post_kv(peers, plan, own, shard.axis, steps[i + 1])
-        if step == 0:
-            local(local_first)
-            if fresh["kv"]:
-                dkv.zero_()
-                fresh["kv"] = False
-            continue
         calls = plan.calls(r, (r - step) % w)
-        kv, span = current.wait(), _span(calls, plan.length)
-        grad = None  # the gradient of the received rows, to return
-        direct_grad = len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[shard.axis])
+        kv, span = (own, slice(0, plan.length)) if step == 0 else (current.wait(), _span(calls, plan.length))
+        grad = None  # the gradient of the received rows, to return (step > 0)
+        direct_grad = step > 0 and len(calls) == 1 and _whole(_within(calls[0].kv, span), kv.shape[shard.axis])
         if direct_grad:
             grad = torch.empty_like(kv)  # written by the call: its fp32 accumulation rounded once, on store
-        elif calls:
+        elif step > 0 and calls:
             grad = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
         for call in calls:
-            _bwd_into(backend, replace(call, kv=_within(call.kv, span)), dout, q, shard.split(kv), out, lse, dlse,
-                      plan.packed, deterministic, dq, fresh, shard.split(grad), direct_grad)
+            call = replace(call, kv=_within(call.kv, span))
+            direct_q = fresh_q and _whole(call.q, q.shape[axis])
+            if fresh_q and not direct_q:
+                dq.zero_()
+            fresh_q = False
+            if step == 0:
+                direct_kv = fresh_kv and len(calls) == 1 and _whole(call.kv, plan.length)
+                if fresh_kv and not direct_kv:
+                    dkv.zero_()
+                fresh_kv = False
+                target = dkv if direct_kv else None
+            else:
+                target = grad if direct_grad else None
+            dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, shard.split(kv), out, lse, dlse, plan.packed,
+                                         deterministic, dq_into=dq if direct_q else None,
+                                         dkv_into=None if target is None else shard.split(target))
+            if not direct_q:
+                _add_rows(dq, call.q, dq_c, axis)
+            if target is None:
+                acc_k, acc_v = shard.split(dkv if step == 0 else grad)
+                _add_rows(acc_k, call.kv, dk_c, axis)
+                _add_rows(acc_v, call.kv, dv_c, axis)
+        if step == 0:
+            if fresh_kv:
+                dkv.zero_()
+                fresh_kv = False
+            continue
         # the gradient of src's rows goes back to src in the inputs' dtype (added into src's fp32
         # accumulator there); mine come back from rank + step
         back = _post_grad(peers, plan, own, shard.axis, None if grad is None else grad.to(own.dtype), step)
         if returning is not None:
             _add_returned(dkv, *returning)
         returning = (back, _span(plan.calls((r + step) % w, r), plan.length), shard.axis)
-    local(local_last)  # beside the last return
     if returning is not None:
         _add_returned(dkv, *returning)
-    if fresh["q"]:
+    if fresh_q:
         dq.zero_()
     dk, dv = shard.split(dkv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _bwd_into(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, deterministic: bool, dq, fresh: dict,
-              acc_kv, direct_kv: bool) -> None:
-    """One call's gradients: dq's rows into ``dq`` (written directly by the first call when it
-    covers every row, else added), dk/dv's rows into ``acc_kv`` = (dk, dv) (written directly when
-    ``direct_kv``, else added)."""
-    axis = 0 if packed else 1
-    direct_q = fresh["q"] and _whole(call.q, q.shape[axis])
-    if fresh["q"] and not direct_q:
-        dq.zero_()
-    fresh["q"] = False
-    dq_c, dk_c, dv_c = _bwd_call(backend, call, dout, q, kv, out, lse, dlse, packed, deterministic,
-                                 dq_into=dq if direct_q else None, dkv_into=acc_kv if direct_kv else None)
-    if not direct_q:
-        _add_rows(dq, call.q, dq_c, axis)
-    if not direct_kv:
-        _add_rows(acc_kv[0], call.kv, dk_c, axis)
-        _add_rows(acc_kv[1], call.kv, dv_c, axis)
-
-
-def _split_local(calls: list[Call], length: int, ring: bool) -> tuple[list[Call], list[Call]]:
-    """The local step's calls as (run first, run last): with other steps to overlap (``ring``),
-    one dense call over the whole shard, causal or unmasked and nothing else position-dependent,
-    is cut by query rows into halves: causal, the first half over the first half of the keys
-    and the second half over all of them (aligned bottom-right: 3/4 of the work); unmasked, each
-    half over all keys. Anything else runs first, whole."""
-    if not ring or len(calls) != 1 or length < 2:
-        return calls, []
-    call, half = calls[0], length // 2
-    p = call.params
-    plain = (p.window_left < 0 and p.window_right in (-1, 0) and p.diag_shift == 0 and p.dropout_p == 0
-             and call.alibi is None and call.cu_q is None)
-    if not (plain and _whole(call.q, length) and _whole(call.kv, length)):
-        return calls, []
-    first_keys = slice(0, half) if p.window_right == 0 else call.kv
-    return [replace(call, q=slice(0, half), kv=first_keys)], [replace(call, q=slice(half, length))]
 
 
 def _add_returned(dkv, transfer, span, axis: int) -> None:
