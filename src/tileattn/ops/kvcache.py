@@ -46,10 +46,14 @@ from a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ..contract import AttnParams
 from . import _validate as V
 from ._custom import attention
+from ._memo import Memo, signature
 from .backend import backend_for, backend_name
 from .fp8 import quantize
 from .rotary import apply_rotary
@@ -71,22 +75,77 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``. ``k_descale``/``v_descale``
     (batch, nheads_k) fp32 go with a float8_e4m3fn cache (module docstring).
     """
-    # Every check first: nothing is rotated or written before all arguments passed.
+    # Every check first: nothing is rotated or written before all arguments passed. The checks
+    # of metadata run once per signature (``_memo``); those that read values run on every call.
+    key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
+                    (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size)
+    plan = _CHECKED.get(key)
+    if plan is None:
+        plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                      softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                      return_softmax_lse, k_descale, v_descale)
+        _CHECKED.put(key, plan)
+    batch, paged, params = q.shape[0], block_table is not None, plan.params
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
+    if cache_batch_idx is not None:
+        # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
+        # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
+        block_table = cache_batch_idx.view(batch, 1)
+    capacity = plan.capacity
+    cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    sink = V.check_sink(learnable_sink, q, q.shape[2])
+    V.check_cache_values(cache_seqlens, plan.new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                         rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
+                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
+
+    seqused_k = cache_seqlens
+    if k is not None:
+        q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                               rotary_interleaved, plan.per_token_q, k_descale, v_descale)
+    q = V.last_dim_contiguous(q)
+    if cache_leftpad is not None:
+        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
+                                         cache_batch_idx, plan.num_splits, sink)
+    else:
+        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
+    return (out, lse) if return_softmax_lse else out
+
+
+class _Checked(NamedTuple):
+    """What ``_check`` worked out for one signature of ``flash_attn_with_kvcache``."""
+
+    params: AttnParams
+    num_splits: int
+    capacity: int  # keys a sequence's cache holds
+    new_tokens: int  # keys appended
+    rotary_len: int | None  # positions in the rotary tables
+    rotary_reach: int  # positions past cache_seqlens that get rotated
+    per_token_q: bool  # causal or local: q rotated per token
+
+
+_CHECKED = Memo()
+
+
+def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+           softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse, k_descale,
+           v_descale) -> _Checked:
+    """Every check of ``flash_attn_with_kvcache``'s arguments that reads no tensor's values."""
     V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
     V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch = q.shape[0]
-    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
+    V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     paged = block_table is not None
     if cache_batch_idx is not None:
         if paged:
             raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx with a paged cache (block_table); "
                                       "flash-attn refuses it too")
         V.check_int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
-        # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
-        # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
         block_table = cache_batch_idx.view(batch, 1)
     capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
-    cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
     if cache_leftpad is not None:
         if paged:
             raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table); "
@@ -100,29 +159,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     V.check_new_kv(k, v, k_cache, v_cache, batch, dtype=None if k_descale is None else q.dtype)
     new_tokens = 0 if k is None else k.shape[1]
     rotary_len = V.check_rotary(rotary_cos, rotary_sin, k, q.shape[-1], q.device)
-    num_splits = V.num_splits(num_splits)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=0.0)
-    per_token_q = params.window_left >= 0 or params.window_right >= 0  # causal or local: q rotated per token
-    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
-    sink = V.check_sink(learnable_sink, q, q.shape[2])
-    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                         rotary_len=rotary_len, rotary_reach=max(new_tokens, q.shape[1] if per_token_q else 1),
-                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
-
-    seqused_k = cache_seqlens
-    if k is not None:
-        q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                               rotary_interleaved, per_token_q, k_descale, v_descale)
-    q = V.last_dim_contiguous(q)
-    if cache_leftpad is not None:
-        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
-                                         cache_batch_idx, num_splits, sink)
-    else:
-        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
-    return (out, lse) if return_softmax_lse else out
+    per_token_q = params.window_left >= 0 or params.window_right >= 0
+    return _Checked(params, V.num_splits(num_splits), capacity, new_tokens, rotary_len,
+                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q)
 
 
 def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits,
