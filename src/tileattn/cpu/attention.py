@@ -395,13 +395,16 @@ _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=to
 def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
     ALiBi or dropout (decoding, short prefills): the recurrence's single step on the whole
-    [B*Hk, G*Sq, Sk] score tile in a handful of ops, with no staging copies. The q, k, v views
-    go to the batched matmuls as they are (bmm takes their strides), the window is one add of
-    the tiles' own cached ``_window_bias``, and the division by l writes (and casts) straight
-    into ``out``::
+    [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in Python and dispatch
+    than in arithmetic here), with no staging copies. The q, k, v views go to the batched
+    matmuls as they are (bmm takes their strides), the window is one add of the tiles' own
+    cached ``_window_bias``, and torch's softmax does max, exp, sum and division in one op::
 
-        s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
-        out = (p v) / l;            lse = ln(2) m + log l
+        s = scale q k^T (window: -inf);  p = softmax(s);  out = p v
+        lse = max(s) - log(max(p))      (the largest p is exp(0) / l, so this is max(s) + log l)
+
+    Sinks (the state (out 0, lse sink_h)) join as a merge: lse' = logaddexp(lse, sink_h), and
+    p is scaled by exp(lse - lse') before it meets v.
     """
     B, Sq, H, D = q4.shape
     Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
@@ -413,39 +416,42 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
         qh = q4.reshape(BH, G, D)
     else:
         qh = q4.view(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(BH, G * Sq, D)
-    # keys as [B*Hk, Sk, D] (a view for one sequence, else a copy that keeps D innermost: a
-    # transposing copy to [B*Hk, D, Sk] costs three times as much), transposed for bmm as a view
-    kh = k4.transpose(1, 2).reshape(BH, Sk, D)
-    vh = v4.transpose(1, 2).reshape(BH, Sk, Dv)  # [B*Hk, Sk, Dv]
+    kh, vh = _by_key_head(k4, keys_last=True), _by_key_head(v4)  # [B*Hk, D, Sk], [B*Hk, Sk, Dv]
     if q4.dtype != acc:
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
-    kh = kh.transpose(1, 2)  # [B*Hk, D, Sk]
     if cap > 0:
-        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
-    else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
-        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap)
+    else:  # [B*Hk, G*Sq, Sk]; beta=0: the zero input is never read
+        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale)
     off = Sk - Sq + params.diag_shift
     if _needs_mask(params, off, 0, Sq, 0, Sk):
         s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
-    m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
-    p = s.sub_(m).exp2_()
-    l = p.sum(dim=-1, keepdim=True)
-    if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
-        sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
-        l.add_((sink2 - m).exp2_())
-    if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
-        o = torch.bmm(p, vh, out=out4.view(BH, G, Dv))
-        o.div_(l)
+    p = torch.softmax(s, dim=-1)
+    lse = s.amax(dim=-1, keepdim=True).sub_(p.amax(dim=-1, keepdim=True).log_())  # [B*Hk, G*Sq, 1]
+    if sink is None:
+        lse3.copy_(lse.view(B, H, Sq))
     else:
-        _div_into_out(torch.bmm(p, vh), l, out4, Hk, G)  # [B*Hk, G*Sq, Dv]
-    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
+        sink_rows = sink.to(acc).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
+        merged = torch.logaddexp(lse, sink_rows)
+        p.mul_(lse.sub_(merged).exp_())
+        lse3.copy_(merged.view(B, H, Sq))
+    if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
+        torch.bmm(p, vh, out=out4.view(BH, G, Dv))
+    else:
+        out4.view(B, Sq, Hk, G, Dv).copy_(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4))
 
 
-def _div_into_out(o, l, out4, Hk, G):
-    """out4 (B, Sq, H, Dv) = o / l, with o [B*Hk, G*Sq, Dv] and l [B*Hk, G*Sq, 1] in (hk, g, i) rows."""
-    B, Sq, _, Dv = out4.shape
-    torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
-              out=out4.view(B, Sq, Hk, G, Dv))
+def _by_key_head(x, keys_last: bool = False):
+    """(B, S, Hk, D) any strides -> [B*Hk, S, D], or its transposed view [B*Hk, D, S] when
+    ``keys_last``: for one sequence a single strided view, else a copy that keeps D innermost (a
+    transposing copy to [B*Hk, D, S] costs three times as much)."""
+    B, S, Hk, D = x.shape
+    if B == 1:
+        if keys_last:
+            return x.as_strided((Hk, D, S), (x.stride(2), x.stride(3), x.stride(1)), x.storage_offset())
+        return x.as_strided((Hk, S, D), (x.stride(2), x.stride(1), x.stride(3)), x.storage_offset())
+    y = x.transpose(1, 2).reshape(B * Hk, S, D)
+    return y.transpose(1, 2) if keys_last else y
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
