@@ -54,7 +54,7 @@ from ..contract import AttnParams
 from . import _validate as V
 from ._custom import attention
 from ._memo import Memo, signature
-from .backend import backend_for, backend_name
+from .backend import backend_for
 from .fp8 import quantize
 from .rotary import apply_rotary
 
@@ -103,7 +103,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqused_k = cache_seqlens
     if k is not None:
         q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                               rotary_interleaved, plan.per_token_q, k_descale, v_descale)
+                               rotary_interleaved, plan.per_token_q, k_descale, v_descale, plan.backend)
     q = V.last_dim_contiguous(q)
     if cache_leftpad is not None:
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
@@ -111,7 +111,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
                              max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
+                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale,
+                             backend=plan.backend)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -125,6 +126,7 @@ class _Checked(NamedTuple):
     rotary_len: int | None  # positions in the rotary tables
     rotary_reach: int  # positions past cache_seqlens that get rotated
     per_token_q: bool  # causal or local: q rotated per token
+    backend: object  # the module backend_for(q.device) returns
 
 
 _CHECKED = Memo()
@@ -163,7 +165,7 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, c
                            softcap=softcap, dropout_p=0.0)
     per_token_q = params.window_left >= 0 or params.window_right >= 0
     return _Checked(params, V.num_splits(num_splits), capacity, new_tokens, rotary_len,
-                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q)
+                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q, backend_for(q.device))
 
 
 def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits,
@@ -189,7 +191,7 @@ def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad
 
 
 def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
-            per_token_q: bool, k_descale=None, v_descale=None):
+            per_token_q: bool, k_descale=None, v_descale=None, backend=None):
     """Write the new keys and values into the cache (rotated first when ``cos``/``sin`` are
     given, and q with them; quantised with the descales of an FP8 cache); returns q and the
     number of keys each sequence then has.
@@ -199,13 +201,14 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
     when v has a head dim of its own (the kernel moves one head dim; ``append_to_cache`` also
     writes MLA's latent once when v_cache is a view of k_cache).
     """
-    if (backend_name(k.device) == "triton" and not torch.compiler.is_compiling()
+    append_kv = getattr(backend or backend_for(k.device), "append_kv", None)  # the Triton backend's
+    if (append_kv is not None and not torch.compiler.is_compiling()
             and v.shape[-1] == k.shape[-1]):
         seqused = torch.empty(cache_seqlens.shape, dtype=cache_seqlens.dtype, device=cache_seqlens.device)
         fuse_q = cos is not None and q.shape[1] == k.shape[1]  # the kernel rotates query token i beside key i
         if cos is not None and not fuse_q:
             q, _ = _rotate(q, k[:, :0], cos, sin, cache_seqlens, interleaved, per_token_q)  # q alone
-        q_rot = backend_for(k.device).append_kv(
+        q_rot = append_kv(
             k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=cos, rotary_sin=sin,
             interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused,
             k_descale=k_descale, v_descale=v_descale)
