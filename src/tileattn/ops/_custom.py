@@ -55,9 +55,9 @@ def _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seql
     """Allocate (out, lse) and let the device's backend fill them: the body of ``tileattn::fwd``.
     A given ``out`` (unit last stride) is written in place instead of a new one; a given
     ``backend`` (the module ``backend_for(q.device)`` returns) saves looking it up."""
-    if out is None:
-        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # v's head dim
-    lse = torch.empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q), device=q.device)
+    if out is None:  # q's dtype and device, v's head dim (new_empty: cheaper than torch.empty with both)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     (backend or backend_for(q.device)).attn_fwd(
         q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
