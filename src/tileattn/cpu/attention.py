@@ -39,9 +39,10 @@ tiles are transposed (keys first, ``[c, keys, G * rows]``), the layout in which 
 batched matmuls run fastest.
 
 A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
-all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
-torch calls, as their Python and dispatch cost more than the arithmetic there. Every other
-problem, one tile or many, runs the tiled recurrence (``_fwd_range``).
+all see a key, runs that one step directly on strided views (``_fwd_whole``, in natural-log
+units with torch's softmax): a handful of torch calls, as their Python and dispatch cost
+more than the arithmetic there. Every other problem, one tile or many, runs the tiled
+recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
@@ -399,9 +400,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
     ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the
     recurrence's single step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops
-    (each costs more in Python and dispatch than in arithmetic here), with no staging copies. The q, k, v views go to the batched
-    matmuls as they are (bmm takes their strides), the window is one add of the tiles' own
-    cached ``_window_bias``, and torch's softmax does max, exp, sum and division in one op::
+    (each costs more in Python and dispatch than in arithmetic here), with no staging copies.
+    The q, k, v views go to the batched matmuls as they are (bmm takes their strides), the
+    window is one add of the tiles' own cached ``_window_bias``, and torch's softmax does max,
+    exp, sum and division in one op::
 
         s = scale q k^T (window: -inf);  p = softmax(s);  out = p v
         lse = max(s) - log(max(p))      (the largest p is exp(0) / l, so this is max(s) + log l)
