@@ -398,12 +398,11 @@ _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=to
 
 def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
-    ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the
-    recurrence's single step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops
-    (each costs more in Python and dispatch than in arithmetic here), with no staging copies.
-    The q, k, v views go to the batched matmuls as they are (bmm takes their strides), the
-    window is one add of the tiles' own cached ``_window_bias``, and torch's softmax does max,
-    exp, sum and division in one op::
+    ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the single
+    step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
+    Python and dispatch than in arithmetic here). The q, k, v views go to the batched matmuls
+    as they are (bmm takes their strides), the window is one add of a cached ``_window_bias``,
+    and torch's softmax does max, exp, sum and division in one op::
 
         s = scale q k^T (window: -inf);  p = softmax(s);  out = p v
         lse = max(s) - log(max(p))      (the largest p is exp(0) / l, so this is max(s) + log l)
@@ -411,11 +410,8 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     Sinks (the state (out 0, lse sink_h)) join as a merge: lse' = logaddexp(lse, sink_h), and
     p is scaled by exp(lse - lse') before it meets v.
     """
-    B, Sq, H, D = q4.shape
-    Hk, Dv = k4.shape[2], v4.shape[-1]
-    G, BH = H // Hk, B * Hk
-    acc = _acc_dtype(q4.dtype)
-    cap = params.softcap
+    (B, Sq, H, D), Hk, Dv = q4.shape, k4.shape[2], v4.shape[-1]
+    G, BH, acc, cap = H // Hk, B * Hk, _acc_dtype(q4.dtype), params.softcap
     # rows (g, i) of key head hk: the [B*Hk, G*Sq, D] layout whose rows are those of head hk * G + g
     if Sq == 1:
         qh = q4.reshape(BH, G, D)
