@@ -39,10 +39,9 @@ tiles are transposed (keys first, ``[c, keys, G * rows]``), the layout in which 
 batched matmuls run fastest.
 
 A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
-all see a key, runs that one step directly on strided views (``_fwd_whole``, in natural-log
-units with torch's softmax): a handful of torch calls, as their Python and dispatch cost
-more than the arithmetic there. Every other problem, one tile or many, runs the tiled
-recurrence (``_fwd_range``).
+all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
+torch calls, as their Python and dispatch cost more than the arithmetic there. Every other
+problem, one tile or many, runs the tiled recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
@@ -402,13 +401,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
     Python and dispatch than in arithmetic here). The q, k, v views go to the batched matmuls
     as they are (bmm takes their strides), the window is one add of a cached ``_window_bias``,
-    and torch's softmax does max, exp, sum and division in one op::
+    and the division by l writes (and casts) straight into ``out``::
 
-        s = scale q k^T (window: -inf);  p = softmax(s);  out = p v
-        lse = max(s) - log(max(p))      (the largest p is exp(0) / l, so this is max(s) + log l)
-
-    Sinks (the state (out 0, lse sink_h)) join as a merge: lse' = logaddexp(lse, sink_h), and
-    p is scaled by exp(lse - lse') before it meets v.
+        s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
+        out = (p v) / l;            lse = ln(2) m + log l
     """
     (B, Sq, H, D), Hk, Dv = q4.shape, k4.shape[2], v4.shape[-1]
     G, BH, acc, cap = H // Hk, B * Hk, _acc_dtype(q4.dtype), params.softcap
@@ -421,25 +417,24 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     if q4.dtype != acc:
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
     if cap > 0:
-        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap)
-    else:  # [B*Hk, G*Sq, Sk]; beta=0: the zero input is never read
-        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale)
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
+    else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
+        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
     off = Sk - Sq + params.diag_shift
     if _needs_mask(params, off, 0, Sq, 0, Sk):
         s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
-    p = torch.softmax(s, dim=-1)
-    lse = s.amax(dim=-1, keepdim=True).sub_(p.amax(dim=-1, keepdim=True).log_())  # [B*Hk, G*Sq, 1]
-    if sink is None:
-        lse3.copy_(lse.view(B, H, Sq))
-    else:
-        sink_rows = sink.to(acc).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
-        merged = torch.logaddexp(lse, sink_rows)
-        p.mul_(lse.sub_(merged).exp_())
-        lse3.copy_(merged.view(B, H, Sq))
+    m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
+    p = s.sub_(m).exp2_()
+    l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
+        sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
+        l.add_((sink2 - m).exp2_())
     if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
-        torch.bmm(p, vh, out=out4.view(BH, G, Dv))
-    else:
-        out4.view(B, Sq, Hk, G, Dv).copy_(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4))
+        torch.bmm(p, vh, out=out4.view(BH, G, Dv)).div_(l)
+    else:  # out4 (B, Sq, H, Dv) = o / l, rows (hk, g, i) to out's (i, hk, g)
+        torch.div(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4),
+                  l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4), out=out4.view(B, Sq, Hk, G, Dv))
+    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
 
 
 def _by_key_head(x, S: int, keys_last: bool = False):
