@@ -446,7 +446,7 @@ def _by_key_head(x, S: int, keys_last: bool = False):
         if keys_last:
             return x.as_strided((Hk, D, S), (x.stride(2), x.stride(3), x.stride(1)), x.storage_offset())
         return x.as_strided((Hk, S, D), (x.stride(2), x.stride(1), x.stride(3)), x.storage_offset())
-    y = x.narrow(1, 0, S).transpose(1, 2).reshape(B * Hk, S, D)
+    y = (x if S == x.shape[1] else x.narrow(1, 0, S)).transpose(1, 2).reshape(B * Hk, S, D)
     return y.transpose(1, 2) if keys_last else y
 
 
