@@ -30,8 +30,8 @@ from ..dropout_mask import M32, fmix32
 from . import _validate as V
 from ._custom import attention
 from ._memo import Memo, signature
-from .backend import backend_for
 from ._probs import attention_probs
+from .backend import backend_for
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "draw_dropout_seed",
            "with_dropout_seed"]

@@ -26,7 +26,8 @@ appends) and with cache_leftpad (positions are the absolute cache slots). Featur
 GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.ops.rotary``).
 
 All arguments are checked before anything is rotated or written (``tileattn.ops._validate``):
-a bad option leaves the cache untouched.
+a bad option leaves the cache untouched. The checks that read no tensor values run once per
+call signature (``tileattn.ops._memo``); those that read values run on every call.
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
