@@ -14,7 +14,8 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
 device-side value check's launch and assertion, the append, the launcher) for the same
-decoding step, contiguous and paged (blocks of 16), with and without a new token appended:
+decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
+and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
 as they do on a GPU (``value_mode`` "device"); the assertion is made on a true flag, since the
 stand-in check kernel writes nothing. overhead.py times whole calls on the GPU.
@@ -113,7 +114,7 @@ def cases():
 
 
 def whole_calls():
-    """(name, call) of flash_attn_with_kvcache decoding steps: batch 1, GQA 32/8, hdim 128, 8k keys."""
+    """(name, call) of decoding steps: batch 1, GQA 32/8, hdim 128, 8k keys."""
     dt = torch.bfloat16
     q = torch.randn(1, 1, 32, 128, dtype=dt)
     kc, vc = torch.randn(1, 8192, 8, 128, dtype=dt), torch.randn(1, 8192, 8, 128, dtype=dt)
@@ -128,6 +129,7 @@ def whole_calls():
                                                                                   cache_seqlens=lens)
     yield "decode paged16 + append", lambda: tileattn.flash_attn_with_kvcache(
         q, pool_k, pool_v, k=new, v=new, cache_seqlens=lens, block_table=table)
+    yield "flash_attn_func, dense k/v", lambda: tileattn.flash_attn_func(q, kc, vc, causal=True)
 
 
 def main():
@@ -162,7 +164,7 @@ def main():
     _validate.value_mode = lambda t: "device"
     true = torch.ones(1, dtype=torch.bool)
     _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
-    print(f"\n{'flash_attn_with_kvcache, whole eager call':44s} {'µs per call, median':>20s}")
+    print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}")
     for name, call in whole_calls():
         print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
 

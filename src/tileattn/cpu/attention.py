@@ -334,10 +334,12 @@ def _add_sink(o_buf, lse_buf, sink, B):
     lse_buf.copy_(lse_new)
 
 
-def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, block_m, block_n, tile_elems):
-    """Forward for sequences of equal lengths: q4 (B, Sq, H, D), k4/v4 (B, Sk, Hk, D)."""
+def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, block_m, block_n, tile_elems,
+               seqlen_k=None):
+    """Forward for sequences of equal lengths: q4 (B, Sq, H, D), k4/v4 (B, Sk, Hk, D), of which
+    the first ``seqlen_k`` keys (all when None) are attended to."""
     B, Sq, H, _ = q4.shape
-    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    Sk, Hk, Dv = k4.shape[1] if seqlen_k is None else seqlen_k, k4.shape[2], v4.shape[-1]
     if Sq == 0:
         return
     if Sk == 0:
@@ -346,8 +348,9 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         return
     if (num_splits == 1 and slopes is None and params.dropout_p == 0 and 1 <= Sq <= block_m and 1 <= Sk <= block_n
             and B * H * Sq * Sk <= tile_elems and not _has_empty_rows(params, Sq, Sk)):
-        _fwd_whole(params, q4, k4, v4, out4, lse3, sink)
+        _fwd_whole(params, q4, k4, v4, out4, lse3, sink, Sk)
         return
+    k4, v4 = k4.narrow(1, 0, Sk), v4.narrow(1, 0, Sk)
     acc = _acc_dtype(q4.dtype)
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
@@ -392,34 +395,27 @@ def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
 _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
 
 
-def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
+def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
-    ALiBi or dropout (decoding, short prefills): the recurrence's single step on the whole
-    [B*Hk, G*Sq, Sk] score tile in a handful of ops, with no staging copies. The q, k, v views
-    go to the batched matmuls as they are (bmm takes their strides), the window is one add of
-    the tiles' own cached ``_window_bias``, and the division by l writes (and casts) straight
-    into ``out``::
+    ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the single
+    step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
+    Python and dispatch than in arithmetic here). The q, k, v views go to the batched matmuls
+    as they are (bmm takes their strides), the window is one add of a cached ``_window_bias``,
+    and the division by l writes (and casts) straight into ``out``::
 
         s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
         out = (p v) / l;            lse = ln(2) m + log l
     """
-    B, Sq, H, D = q4.shape
-    Sk, Hk, Dv = k4.shape[1], k4.shape[2], v4.shape[-1]
-    G, BH = H // Hk, B * Hk
-    acc = _acc_dtype(q4.dtype)
-    cap = params.softcap
+    (B, Sq, H, D), Hk, Dv = q4.shape, k4.shape[2], v4.shape[-1]
+    G, BH, acc, cap = H // Hk, B * Hk, _acc_dtype(q4.dtype), params.softcap
     # rows (g, i) of key head hk: the [B*Hk, G*Sq, D] layout whose rows are those of head hk * G + g
     if Sq == 1:
         qh = q4.reshape(BH, G, D)
     else:
         qh = q4.view(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(BH, G * Sq, D)
-    # keys as [B*Hk, Sk, D] (a view for one sequence, else a copy that keeps D innermost: a
-    # transposing copy to [B*Hk, D, Sk] costs three times as much), transposed for bmm as a view
-    kh = k4.transpose(1, 2).reshape(BH, Sk, D)
-    vh = v4.transpose(1, 2).reshape(BH, Sk, Dv)  # [B*Hk, Sk, Dv]
+    kh, vh = _by_key_head(k4, Sk, keys_last=True), _by_key_head(v4, Sk)  # [B*Hk, D, Sk], [B*Hk, Sk, Dv]
     if q4.dtype != acc:
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
-    kh = kh.transpose(1, 2)  # [B*Hk, D, Sk]
     if cap > 0:
         s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
     else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
@@ -434,18 +430,24 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink):
         sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
         l.add_((sink2 - m).exp2_())
     if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
-        o = torch.bmm(p, vh, out=out4.view(BH, G, Dv))
-        o.div_(l)
-    else:
-        _div_into_out(torch.bmm(p, vh), l, out4, Hk, G)  # [B*Hk, G*Sq, Dv]
+        torch.bmm(p, vh, out=out4.view(BH, G, Dv)).div_(l)
+    else:  # out4 (B, Sq, H, Dv) = o / l, rows (hk, g, i) to out's (i, hk, g)
+        torch.div(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4),
+                  l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4), out=out4.view(B, Sq, Hk, G, Dv))
     torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
 
 
-def _div_into_out(o, l, out4, Hk, G):
-    """out4 (B, Sq, H, Dv) = o / l, with o [B*Hk, G*Sq, Dv] and l [B*Hk, G*Sq, 1] in (hk, g, i) rows."""
-    B, Sq, _, Dv = out4.shape
-    torch.div(o.view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4), l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4),
-              out=out4.view(B, Sq, Hk, G, Dv))
+def _by_key_head(x, S: int, keys_last: bool = False):
+    """The first S keys of x (B, >= S, Hk, D), any strides, as [B*Hk, S, D], or its transposed
+    view [B*Hk, D, S] when ``keys_last``: for one sequence a single strided view, else a copy that
+    keeps D innermost (a transposing copy to [B*Hk, D, S] costs three times as much)."""
+    B, _, Hk, D = x.shape
+    if B == 1:
+        if keys_last:
+            return x.as_strided((Hk, D, S), (x.stride(2), x.stride(3), x.stride(1)), x.storage_offset())
+        return x.as_strided((Hk, S, D), (x.stride(2), x.stride(1), x.stride(3)), x.storage_offset())
+    y = (x if S == x.shape[1] else x.narrow(1, 0, S)).transpose(1, 2).reshape(B * Hk, S, D)
+    return y.transpose(1, 2) if keys_last else y
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
@@ -466,10 +468,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         # (one decoding batch in step): one group, with no per-sequence views
         used = None if seqused_k is None else seqused_k.tolist()
         if not used or used.count(used[0]) == len(used):
-            if used:
-                k, v = k.narrow(1, 0, used[0]), v.narrow(1, 0, used[0])
             _fwd_group(q, k, v, out, lse, alibi_slopes, learnable_sink, 0, params, num_splits, block_m, block_n,
-                       tile_elems)
+                       tile_elems, used[0] if used else None)
             return
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)

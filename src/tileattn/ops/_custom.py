@@ -51,13 +51,14 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seq
 
 def _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
              block_table, num_splits, learnable_sink, k_descale=None, v_descale=None,
-             out=None) -> tuple[Tensor, Tensor]:
+             out=None, backend=None) -> tuple[Tensor, Tensor]:
     """Allocate (out, lse) and let the device's backend fill them: the body of ``tileattn::fwd``.
-    A given ``out`` (unit last stride) is written in place instead of a new one."""
-    if out is None:
-        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)  # v's head dim
-    lse = torch.empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q), device=q.device)
-    backend_for(q.device).attn_fwd(
+    A given ``out`` (unit last stride) is written in place instead of a new one; a given
+    ``backend`` (the module ``backend_for(q.device)`` returns) saves looking it up."""
+    if out is None:  # q's dtype and device, v's head dim (new_empty: cheaper than torch.empty with both)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    (backend or backend_for(q.device)).attn_fwd(
         q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, learnable_sink=learnable_sink,
@@ -174,12 +175,13 @@ class _EagerAttention(torch.autograd.Function):
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None,
               num_splits=1, deterministic=False, learnable_sink=None, k_descale=None, v_descale=None,
-              out=None) -> tuple[Tensor, Tensor]:
+              out=None, backend=None) -> tuple[Tensor, Tensor]:
     """(out, lse), with autograd when inputs require grad (lse and learnable_sink included).
 
     ``k_descale``/``v_descale`` go with an FP8 cache. A given ``out`` receives the output and is
     returned: written in place by the kernels when no graph is recorded and its last dim is
-    contiguous, else copied into (the custom op allocates its own output).
+    contiguous, else copied into (the custom op allocates its own output). ``backend``: the
+    module ``backend_for(q.device)`` returns, when the caller already knows it.
 
     When no graph is being recorded (no input needs a gradient, or grad mode is off) the
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
@@ -197,7 +199,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
         direct = out is None or out.stride(-1) == 1
         res = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
-                       v_descale, out if direct else None)
+                       v_descale, out if direct else None, backend)
         return res if direct else _into(out, res)
     return _into(out, _EagerAttention.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,

@@ -29,7 +29,9 @@ from ..contract import AttnParams
 from ..dropout_mask import M32, fmix32
 from . import _validate as V
 from ._custom import attention
+from ._memo import Memo, signature
 from ._probs import attention_probs
+from .backend import backend_for
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "draw_dropout_seed",
            "with_dropout_seed"]
@@ -82,24 +84,44 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated — an
     O(N^2) tensor meant for tests, as in flash-attn.
     """
-    V.check_qkv(q, k, v, packed=False, headdim_v=True)
-    V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
+    key = signature((q, k, v, alibi_slopes, learnable_sink),
+                    (dropout_p, softmax_scale, causal, softcap, deterministic, return_attn_probs), window_size)
+    checked = _CHECKED.get(key)
+    if checked is None:  # the metadata checks, once per signature (``_memo``)
+        checked = _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                         return_attn_probs, learnable_sink)
+        _CHECKED.put(key, checked)
+    params, backend = checked
     batch, seqlen_q = q.shape[0], q.shape[1]
-    if k.shape[0] != batch:
-        V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
-    params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, dropout_p=dropout_p)
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
-    V.check_backward(batch, q, k, v, sink)
 
     params = with_dropout_seed(params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
-                         deterministic=deterministic, learnable_sink=sink)
+                         deterministic=deterministic, learnable_sink=sink, backend=backend)
     if return_attn_probs:
         return out, lse, attention_probs(q, k, lse, params, alibi)
     return out
+
+
+_CHECKED = Memo()
+
+
+def _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+           return_attn_probs, learnable_sink) -> tuple:
+    """Every check of ``flash_attn_func``'s arguments (none reads a tensor's values); returns the
+    call's AttnParams and backend module."""
+    V.check_qkv(q, k, v, packed=False, headdim_v=True)
+    V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
+    batch = q.shape[0]
+    if k.shape[0] != batch:
+        V.fail(ValueError, f"q and k/v must have one batch size, got {batch} and {k.shape[0]}")
+    params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, dropout_p=dropout_p)
+    V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    V.check_backward(batch, q, k, v, V.check_sink(learnable_sink, q, q.shape[2]))
+    return params, backend_for(q.device)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -26,7 +26,8 @@ appends) and with cache_leftpad (positions are the absolute cache slots). Featur
 GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.ops.rotary``).
 
 All arguments are checked before anything is rotated or written (``tileattn.ops._validate``):
-a bad option leaves the cache untouched.
+a bad option leaves the cache untouched. The checks that read no tensor values run once per
+call signature (``tileattn.ops._memo``); those that read values run on every call.
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
@@ -46,11 +47,15 @@ from a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ..contract import AttnParams
 from . import _validate as V
 from ._custom import attention
-from .backend import backend_for, backend_name
+from ._memo import Memo, signature
+from .backend import backend_for
 from .fp8 import quantize
 from .rotary import apply_rotary
 
@@ -71,22 +76,79 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (batch, nheads, seqlen_q) fp32 when ``return_softmax_lse``. ``k_descale``/``v_descale``
     (batch, nheads_k) fp32 go with a float8_e4m3fn cache (module docstring).
     """
-    # Every check first: nothing is rotated or written before all arguments passed.
+    # Every check first: nothing is rotated or written before all arguments passed. The checks
+    # of metadata run once per signature (``_memo``); those that read values run on every call.
+    key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
+                    (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size)
+    plan = _CHECKED.get(key)
+    if plan is None:
+        plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                      softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                      return_softmax_lse, k_descale, v_descale)
+        _CHECKED.put(key, plan)
+    batch, paged, params = q.shape[0], block_table is not None, plan.params
+    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
+    if cache_batch_idx is not None:
+        # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
+        # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
+        block_table = cache_batch_idx.view(batch, 1)
+    capacity = plan.capacity
+    cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    sink = V.check_sink(learnable_sink, q, q.shape[2])
+    V.check_cache_values(cache_seqlens, plan.new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                         rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
+                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
+
+    seqused_k = cache_seqlens
+    if k is not None:
+        q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                               rotary_interleaved, plan.per_token_q, k_descale, v_descale, plan.backend)
+    q = V.last_dim_contiguous(q)
+    if cache_leftpad is not None:
+        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
+                                         cache_batch_idx, plan.num_splits, sink)
+    else:
+        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale,
+                             backend=plan.backend)
+    return (out, lse) if return_softmax_lse else out
+
+
+class _Checked(NamedTuple):
+    """What ``_check`` worked out for one signature of ``flash_attn_with_kvcache``."""
+
+    params: AttnParams
+    num_splits: int
+    capacity: int  # keys a sequence's cache holds
+    new_tokens: int  # keys appended
+    rotary_len: int | None  # positions in the rotary tables
+    rotary_reach: int  # positions past cache_seqlens that get rotated
+    per_token_q: bool  # causal or local: q rotated per token
+    backend: object  # the module backend_for(q.device) returns
+
+
+_CHECKED = Memo()
+
+
+def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+           softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse, k_descale,
+           v_descale) -> _Checked:
+    """Every check of ``flash_attn_with_kvcache``'s arguments that reads no tensor's values."""
     V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
     V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
     batch = q.shape[0]
-    k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
+    V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     paged = block_table is not None
     if cache_batch_idx is not None:
         if paged:
             raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx with a paged cache (block_table); "
                                       "flash-attn refuses it too")
         V.check_int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
-        # Row cache_batch_idx[b] of a contiguous cache is a one-page block table with pages of
-        # seqlen_cache keys: the paged path reads (and appends to) it in place, no copy.
         block_table = cache_batch_idx.view(batch, 1)
     capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
-    cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
     if cache_leftpad is not None:
         if paged:
             raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table); "
@@ -100,29 +162,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     V.check_new_kv(k, v, k_cache, v_cache, batch, dtype=None if k_descale is None else q.dtype)
     new_tokens = 0 if k is None else k.shape[1]
     rotary_len = V.check_rotary(rotary_cos, rotary_sin, k, q.shape[-1], q.device)
-    num_splits = V.num_splits(num_splits)
     params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, dropout_p=0.0)
-    per_token_q = params.window_left >= 0 or params.window_right >= 0  # causal or local: q rotated per token
-    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
-    sink = V.check_sink(learnable_sink, q, q.shape[2])
-    V.check_cache_values(cache_seqlens, new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                         rotary_len=rotary_len, rotary_reach=max(new_tokens, q.shape[1] if per_token_q else 1),
-                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
-
-    seqused_k = cache_seqlens
-    if k is not None:
-        q, seqused_k = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                               rotary_interleaved, per_token_q, k_descale, v_descale)
-    q = V.last_dim_contiguous(q)
-    if cache_leftpad is not None:
-        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
-                                         cache_batch_idx, num_splits, sink)
-    else:
-        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
-    return (out, lse) if return_softmax_lse else out
+    per_token_q = params.window_left >= 0 or params.window_right >= 0
+    return _Checked(params, V.num_splits(num_splits), capacity, new_tokens, rotary_len,
+                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q, backend_for(q.device))
 
 
 def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits,
@@ -148,7 +192,7 @@ def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad
 
 
 def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
-            per_token_q: bool, k_descale=None, v_descale=None):
+            per_token_q: bool, k_descale=None, v_descale=None, backend=None):
     """Write the new keys and values into the cache (rotated first when ``cos``/``sin`` are
     given, and q with them; quantised with the descales of an FP8 cache); returns q and the
     number of keys each sequence then has.
@@ -158,13 +202,14 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
     when v has a head dim of its own (the kernel moves one head dim; ``append_to_cache`` also
     writes MLA's latent once when v_cache is a view of k_cache).
     """
-    if (backend_name(k.device) == "triton" and not torch.compiler.is_compiling()
+    append_kv = getattr(backend or backend_for(k.device), "append_kv", None)  # the Triton backend's
+    if (append_kv is not None and not torch.compiler.is_compiling()
             and v.shape[-1] == k.shape[-1]):
         seqused = torch.empty(cache_seqlens.shape, dtype=cache_seqlens.dtype, device=cache_seqlens.device)
         fuse_q = cos is not None and q.shape[1] == k.shape[1]  # the kernel rotates query token i beside key i
         if cos is not None and not fuse_q:
             q, _ = _rotate(q, k[:, :0], cos, sin, cache_seqlens, interleaved, per_token_q)  # q alone
-        q_rot = backend_for(k.device).append_kv(
+        q_rot = append_kv(
             k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=cos, rotary_sin=sin,
             interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused,
             k_descale=k_descale, v_descale=v_descale)

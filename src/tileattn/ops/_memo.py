@@ -1,0 +1,67 @@
+"""Checks once per call signature: what a public function's metadata checks worked out, kept.
+
+A model calls the same function with the same shapes and options in every layer and every
+decoding step. The checks that read only metadata (types, shapes, strides, dtypes, devices,
+option values, the backend variable) give the same answer for the same signature, so a
+function keys what they returned (``AttnParams``, capacities, ...) on ``signature(...)`` and
+runs them again only for a signature it has not seen pass. A key holds everything such a
+check reads: per tensor its type, shape, strides, dtype, device and requires_grad; per option
+its type and value (``True`` and ``1`` differ: one passes ``check_flags``, the other not);
+the ``TILEATTN_BACKEND`` value and grad mode. Checks of tensor *values* (lengths, block
+tables) are no part of it and run on every call, as do the checks that return a tensor
+derived from this call's (``check_alibi``, ``check_sink``, ``cache_lengths``, ...).
+
+A call that cannot be keyed exactly takes the full checks every time: an argument that is a
+tensor subclass (``nn.Parameter`` included), a Python int where a tensor may stand (a length),
+a list or other container as an option, and anything while torch.compile traces.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["Memo", "signature"]
+
+_OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
+
+
+def signature(tensors: tuple, options: tuple, window_size) -> tuple | None:
+    """A hashable key of ``tensors`` (each a ``torch.Tensor`` or None), ``options`` (plain bools,
+    ints, floats, strings or None) and ``window_size`` (a tuple of two ints), or None where one
+    of them is anything else."""
+    kinds = tuple(map(type, options))
+    if (not _OPTION_TYPES.issuperset(kinds) or type(window_size) is not tuple or len(window_size) != 2
+            or type(window_size[0]) is not int or type(window_size[1]) is not int
+            or torch.compiler.is_compiling()):
+        return None
+    key = [os.environ.get("TILEATTN_BACKEND", ""), torch.is_grad_enabled(), options, kinds, window_size]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+        else:
+            return None
+    return tuple(key)
+
+
+class Memo:
+    """What the checks returned, by signature; at most ``size`` of them (then it starts over)."""
+
+    def __init__(self, size: int = 256):
+        self.size, self.entries = size, {}
+
+    def get(self, key):
+        return None if key is None else self.entries.get(key)
+
+    def put(self, key, value) -> None:
+        if key is None:
+            return
+        if len(self.entries) >= self.size:
+            self.entries.clear()
+        self.entries[key] = value
+
+    def clear(self) -> None:
+        self.entries.clear()
