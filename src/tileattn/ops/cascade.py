@@ -16,7 +16,9 @@ heads of each KV head packed as the rows of one tile), split over the keys to fi
 
 On CUDA the prefix call runs on a second stream beside the suffix call: the prefix call is
 compute-bound (a prefill's shape), the suffix call reads each request's own keys once
-(memory-bound), so the two overlap. Both are captured by a CUDA graph like any other call.
+(memory-bound). Their programs need too many registers and too much shared memory to share an
+SM, so they overlap only at their tails (docs/perf-notes.md). Both are captured by a CUDA graph
+like any other call.
 
 The prefix call packs the query rows of all requests (batch x seqlen_q of them) as the rows of
 one sequence, not causal: every query sits after the whole prefix and sees all of it, so each
