@@ -258,10 +258,14 @@ def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table,
 def hopper_partials_splits(q, k_cache, max_seqlen_k: int) -> int:
     """How many key splits ``hopper_attn_partials`` makes: enough work items for one per SM, each
     split at least 4 key tiles."""
-    group = q.shape[2] // k_cache.shape[2]
     block_n = HOPPER_TILES[q.shape[-1]][0]
-    items = cdiv(q.shape[1] * group, BLOCK_M) * k_cache.shape[2]
-    return max(1, min(_sms(q) // items, cdiv(max_seqlen_k, block_n) // 4))
+    return max(1, min(_sms(q) // _partials_items(q, k_cache), cdiv(max_seqlen_k, block_n) // 4))
+
+
+def _partials_items(q, k_cache) -> int:
+    """Work items of one key split: query blocks of the packed rows (rows x query heads per KV
+    head) for each KV head."""
+    return cdiv(q.shape[1] * (q.shape[2] // k_cache.shape[2]), BLOCK_M) * k_cache.shape[2]
 
 
 class HopperPartials:
@@ -288,7 +292,7 @@ def hopper_attn_partials(q, k_cache, v_cache, o_parts, lse_parts, *, params: Att
     block_n, stages = HOPPER_TILES[q.shape[3]]
     qpack = nheads // k_cache.shape[2]
     tiles_per_split = cdiv(cdiv(max_seqlen_k, block_n), splits)
-    items = cdiv(rows * qpack, BLOCK_M) * k_cache.shape[2] * splits
+    items = _partials_items(q, k_cache) * splits
     o_strides = (o_parts.stride(1), o_parts.stride(2), o_parts.stride(3), o_parts.stride(0))
     l_strides = (lse_parts.stride(1), lse_parts.stride(2), lse_parts.stride(3), lse_parts.stride(0))
     _launch_fwd(q, k_cache, v_cache, o_parts, lse_parts, o_strides, l_strides, params, 1, rows, max_seqlen_k,
