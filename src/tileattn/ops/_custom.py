@@ -22,7 +22,7 @@ from torch import Tensor
 from ..contract import AttnParams
 from .backend import backend_for
 
-__all__ = ["attention", "lse_shape"]
+__all__ = ["attention", "lse_shape", "prepare", "Lane"]
 
 
 def lse_shape(q: Tensor, packed: bool) -> tuple[int, ...]:
@@ -193,9 +193,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
                                learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
                                params.window_left, params.window_right, params.softcap, params.dropout_p,
                                params.dropout_seed, int(num_splits), bool(deterministic), k_descale, v_descale))
-    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
-    needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
-    if not needs_graph:
+    if not _needs_graph(q, k, v, learnable_sink):
         direct = out is None or out.stride(-1) == 1
         res = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
@@ -206,6 +204,48 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
         int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right,
         params.softcap, params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic), k_descale,
         v_descale))
+
+
+def _needs_graph(q, k, v, learnable_sink) -> bool:
+    """Whether autograd records this call: grad mode on and an input that requires grad."""
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes, max_seqlen_q: int,
+            max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale,
+            backend) -> "Lane | None":
+    """``attention()`` decided once for every call with these tensors' metadata and these options
+    (a memo entry's, ``_memo``), as a ``Lane``; None where a call must decide per call: under
+    torch.compile, when autograd records the call, on a backend without ``prepare_fwd`` (the CPU
+    tiles) or a call it declines (``gpu.prepared``). Dense tensors only; no ``out=``."""
+    prepare_fwd = getattr(backend, "prepare_fwd", None)
+    if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
+        return None
+    out_shape, lse_dims, lse_dtype = (*q.shape[:-1], v.shape[-1]), lse_shape(q, False), _lse_dtype(q)
+    fwd = prepare_fwd(q, k, v, q.new_empty(out_shape), q.new_empty(lse_dims, dtype=lse_dtype), params=params,
+                      alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                      seqused_k=seqused_k, block_table=block_table, num_splits=int(num_splits),
+                      learnable_sink=learnable_sink, k_descale=k_descale)
+    return None if fwd is None else Lane(fwd, out_shape, lse_dims, lse_dtype)
+
+
+class Lane:
+    """``prepare``'s answer: ``lane(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table,
+    k_descale, v_descale)`` returns what ``attention()`` with the prepared options returns, the
+    outputs allocated as ``_run_fwd`` allocates them. ``calls`` counts its calls."""
+
+    __slots__ = ("fwd", "out_shape", "lse_shape", "lse_dtype", "calls")
+
+    def __init__(self, fwd, out_shape: tuple, lse_dims: tuple, lse_dtype: torch.dtype):
+        self.fwd, self.out_shape, self.lse_shape, self.lse_dtype, self.calls = fwd, out_shape, lse_dims, lse_dtype, 0
+
+    def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale,
+                 v_descale) -> tuple[Tensor, Tensor]:
+        out, lse = q.new_empty(self.out_shape), q.new_empty(self.lse_shape, dtype=self.lse_dtype)
+        self.fwd(q, k, v, out, lse, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale)
+        self.calls += 1
+        return out, lse
 
 
 def _into(out, res):

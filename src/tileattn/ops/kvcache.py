@@ -47,13 +47,13 @@ from a CUDA graph.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 
 from ..contract import AttnParams
 from . import _validate as V
-from ._custom import attention
+from ._custom import attention, prepare
 from ._memo import Memo, signature
 from .backend import backend_for
 from .fp8 import quantize
@@ -87,6 +87,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                       softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                       return_softmax_lse, k_descale, v_descale)
         _CHECKED.put(key, plan)
+        plan.lane = None if key is not None else False  # only a kept signature's calls take a lane
     batch, paged, params = q.shape[0], block_table is not None, plan.params
     k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     if cache_batch_idx is not None:
@@ -110,14 +111,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
                                          cache_batch_idx, plan.num_splits, sink)
     else:
-        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale,
-                             backend=plan.backend)
+        if plan.lane is None:  # the signature's first call here: its launch decided once (``_custom.prepare``)
+            plan.lane = prepare(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                                max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                                num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
+                                backend=plan.backend) or False
+        if plan.lane:
+            out, lse = plan.lane(q, k_cache, v_cache, alibi, sink, seqused_k, block_table, k_descale, v_descale)
+        else:
+            out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                                 max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                                 num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
+                                 v_descale=v_descale, backend=plan.backend)
     return (out, lse) if return_softmax_lse else out
 
 
-class _Checked(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class _Checked:
     """What ``_check`` worked out for one signature of ``flash_attn_with_kvcache``."""
 
     params: AttnParams
@@ -128,6 +138,7 @@ class _Checked(NamedTuple):
     rotary_reach: int  # positions past cache_seqlens that get rotated
     per_token_q: bool  # causal or local: q rotated per token
     backend: object  # the module backend_for(q.device) returns
+    lane: object = False  # the signature's prepared attention (``_custom.Lane``), None: not yet asked
 
 
 _CHECKED = Memo()
