@@ -100,7 +100,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sink = V.check_sink(learnable_sink, q, q.shape[2])
     V.check_cache_values(cache_seqlens, plan.new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
                          rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
-                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
+                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad,
+                         kept=None if key is None else plan)
 
     seqused_k = cache_seqlens
     if k is not None:
@@ -139,6 +140,7 @@ class _Checked:
     per_token_q: bool  # causal or local: q rotated per token
     backend: object  # the module backend_for(q.device) returns
     lane: object = False  # the signature's prepared attention (``_custom.Lane``), None: not yet asked
+    device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
 
 
 _CHECKED = Memo()
