@@ -67,6 +67,18 @@ def test_kvcache_lane_is_taken_and_reads_each_calls_tensors(paged, num_splits):
     assert entry(kv_ops._CHECKED).lane.calls == 5
 
 
+def test_kvcache_lane_copies_a_strided_q_every_call():
+    """A q whose last dim is strided is copied before the launch, on the lane's calls too."""
+    gen = torch.Generator().manual_seed(88)
+    k_cache, v_cache = (torch.randn(2, 12, 2, 16, generator=gen).to(DEV) for _ in range(2))
+    lens = torch.tensor([4, 11], dtype=torch.int32, device=DEV)
+    for _ in range(3):
+        q = torch.randn(2, 1, 4, 16, 2, generator=gen).to(DEV)[..., 0]  # last-dim stride 2
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True)
+        check_rows(out, lse, q, k_cache, v_cache, lens)
+    assert entry(kv_ops._CHECKED).lane.calls == 3
+
+
 def test_kvcache_lane_with_append_and_return_variants():
     """Appending new keys every step (the lengths grow), with and without the lse returned."""
     gen = torch.Generator().manual_seed(82)
@@ -89,20 +101,23 @@ def test_kvcache_lane_with_append_and_return_variants():
     assert len(lanes) == 3 and all(lane.calls == 2 for lane in lanes)
 
 
-def test_kvcache_bad_lengths_after_lane_calls_still_raise():
-    """Lengths past the capacity in the tensor the lane has seen: the check runs before the append."""
+@pytest.mark.parametrize("append", [True, False])
+def test_kvcache_bad_lengths_after_lane_calls_still_raise(append):
+    """Lengths past the capacity in the tensor the lane has seen: the check runs before the append
+    (with one) or the launch (without: the direct path of a signature with nothing to derive)."""
     gen = torch.Generator().manual_seed(83)
     k_cache, v_cache = (torch.randn(2, 8, 2, 16, generator=gen).to(DEV) for _ in range(2))
     q = torch.randn(2, 1, 4, 16, generator=gen).to(DEV)
-    new = torch.randn(2, 1, 2, 16, generator=gen).to(DEV)
+    new = dict(k=torch.randn(2, 1, 2, 16, generator=gen).to(DEV)) if append else {}
+    new = {**new, "v": new["k"]} if append else new
     lens = torch.tensor([3, 6], dtype=torch.int32, device=DEV)
     for _ in range(2):
-        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, cache_seqlens=lens)
+        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
     assert entry(kv_ops._CHECKED).lane.calls == 2
-    lens.copy_(torch.tensor([3, 8], dtype=torch.int32))
+    lens.copy_(torch.tensor([3, 8 if append else 9], dtype=torch.int32))
     before = k_cache.clone()
-    with pytest.raises(IndexError, match="room"):
-        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, cache_seqlens=lens)
+    with pytest.raises(IndexError, match="room" if append else "capacity"):
+        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
     assert torch.equal(k_cache, before), "a rejected call wrote into the cache"
     assert entry(kv_ops._CHECKED).lane.calls == 2
 

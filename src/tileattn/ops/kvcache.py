@@ -82,6 +82,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                      block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
                     (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size)
     plan = _CHECKED.get(key)
+    if (plan is not None and plan.lane and k is None and rotary_cos is None and cache_batch_idx is None
+            and cache_leftpad is None and alibi_slopes is None and learnable_sink is None and k_descale is None
+            and cache_seqlens is not None):
+        # A kept signature with a lane and nothing to derive per call: its tensors' metadata passed
+        # the checks before, so the values' check and the launch are all that is left to do.
+        V.check_cache_values(cache_seqlens, 0, plan.capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                             kept=plan)
+        out, lse = plan.lane(V.last_dim_contiguous(q), k_cache, v_cache, None, None, cache_seqlens, block_table,
+                             None, None)
+        return (out, lse) if return_softmax_lse else out
     if plan is None:
         plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                       softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
