@@ -187,6 +187,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
     backward. Both skip the dispatcher's per-call cost, which matters to decoding and to short
     training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
+    A public function's memo entry may hold a ``Lane`` (``prepare``) that its later calls take
+    instead of this function.
     """
     if torch.compiler.is_compiling():
         return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,

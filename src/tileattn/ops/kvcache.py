@@ -27,7 +27,10 @@ GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.op
 
 All arguments are checked before anything is rotated or written (``tileattn.ops._validate``):
 a bad option leaves the cache untouched. The checks that read no tensor values run once per
-call signature (``tileattn.ops._memo``); those that read values run on every call.
+call signature (``tileattn.ops._memo``); those that read values run on every call. A kept
+signature's later calls on the Triton backend launch what its first call prepared
+(``_custom.prepare``), and one with nothing to derive per call (no append, rotary, row index,
+left pad, ALiBi, sinks or descales) does only its value check and that launch.
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
