@@ -22,7 +22,7 @@ from torch import Tensor
 from ..contract import AttnParams
 from .backend import backend_for
 
-__all__ = ["attention", "lse_shape", "prepare", "Lane"]
+__all__ = ["attention", "lse_shape", "prepare"]
 
 
 def lse_shape(q: Tensor, packed: bool) -> tuple[int, ...]:
@@ -187,8 +187,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
     backward. Both skip the dispatcher's per-call cost, which matters to decoding and to short
     training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
-    A public function's memo entry may hold a ``Lane`` (``prepare``) that its later calls take
-    instead of this function.
+    A public function's memo entry may hold a prepared launch (``prepare``) that its later calls
+    take instead of this function.
     """
     if torch.compiler.is_compiling():
         return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
@@ -215,39 +215,21 @@ def _needs_graph(q, k, v, learnable_sink) -> bool:
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes, max_seqlen_q: int,
-            max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale,
-            backend) -> "Lane | None":
+            max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale, backend):
     """``attention()`` decided once for every call with these tensors' metadata and these options
-    (a memo entry's, ``_memo``), as a ``Lane``; None where a call must decide per call: under
-    torch.compile, when autograd records the call, on a backend without ``prepare_fwd`` (the CPU
-    tiles) or a call it declines (``gpu.prepared``). Dense tensors only; no ``out=``."""
+    (a memo entry's, ``_memo``): the backend's prepared launch, which takes ``(q, k, v,
+    alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale)`` and returns
+    (out, lse) allocated as ``_run_fwd`` allocates them (``gpu.prepared.PreparedFwd``). None
+    where a call must decide per call: under torch.compile, when autograd records the call, on a
+    backend without ``prepare_fwd`` (the CPU tiles) or a call it declines. Dense tensors only."""
     prepare_fwd = getattr(backend, "prepare_fwd", None)
     if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
         return None
-    out_shape, lse_dims, lse_dtype = (*q.shape[:-1], v.shape[-1]), lse_shape(q, False), _lse_dtype(q)
-    fwd = prepare_fwd(q, k, v, q.new_empty(out_shape), q.new_empty(lse_dims, dtype=lse_dtype), params=params,
-                      alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-                      seqused_k=seqused_k, block_table=block_table, num_splits=int(num_splits),
-                      learnable_sink=learnable_sink, k_descale=k_descale)
-    return None if fwd is None else Lane(fwd, out_shape, lse_dims, lse_dtype)
-
-
-class Lane:
-    """``prepare``'s answer: ``lane(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table,
-    k_descale, v_descale)`` returns what ``attention()`` with the prepared options returns, the
-    outputs allocated as ``_run_fwd`` allocates them. ``calls`` counts its calls."""
-
-    __slots__ = ("fwd", "out_shape", "lse_shape", "lse_dtype", "calls")
-
-    def __init__(self, fwd, out_shape: tuple, lse_dims: tuple, lse_dtype: torch.dtype):
-        self.fwd, self.out_shape, self.lse_shape, self.lse_dtype, self.calls = fwd, out_shape, lse_dims, lse_dtype, 0
-
-    def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale,
-                 v_descale) -> tuple[Tensor, Tensor]:
-        out, lse = q.new_empty(self.out_shape), q.new_empty(self.lse_shape, dtype=self.lse_dtype)
-        self.fwd(q, k, v, out, lse, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale)
-        self.calls += 1
-        return out, lse
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(lse_shape(q, False), dtype=_lse_dtype(q))
+    return prepare_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q),
+                       max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table,
+                       num_splits=int(num_splits), learnable_sink=learnable_sink, k_descale=k_descale)
 
 
 def _into(out, res):

@@ -118,7 +118,7 @@ class _Checked:
 
     params: AttnParams
     backend: object  # the module backend_for(q.device) returns
-    lane: object = False  # the signature's prepared attention (``_custom.Lane``), None: not yet asked
+    lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
 
 
 _CHECKED = Memo()

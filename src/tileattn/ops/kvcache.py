@@ -152,7 +152,7 @@ class _Checked:
     rotary_reach: int  # positions past cache_seqlens that get rotated
     per_token_q: bool  # causal or local: q rotated per token
     backend: object  # the module backend_for(q.device) returns
-    lane: object = False  # the signature's prepared attention (``_custom.Lane``), None: not yet asked
+    lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
     device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
 
 
