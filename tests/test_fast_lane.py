@@ -1,5 +1,5 @@
 """The fast lane (``tileattn.ops._custom.prepare``, ``tileattn.gpu.prepared``): a kept signature's
-launch decided once. It must be taken (counted), give each call's own answer (new values, lengths,
+launch decided once, after its first call. It must be taken (counted), give each call's own answer (new values, lengths,
 cache contents, q), leave the calls it cannot serve (gradients, dropout, the CPU tiles, prefill
 shapes the Hopper kernel may take) to the full path, and keep every value check.
 
@@ -64,7 +64,7 @@ def test_kvcache_lane_is_taken_and_reads_each_calls_tensors(paged, num_splits):
         out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
                                                     num_splits=num_splits, causal=True, return_softmax_lse=True)
         check_rows(out, lse, q, k_cache, v_cache, lens, table, causal=True)
-    assert entry(kv_ops._CHECKED).lane.calls == 5
+    assert entry(kv_ops._CHECKED).lane.calls == 4  # all but the first, which prepares it
 
 
 def test_kvcache_lane_copies_a_strided_q_every_call():
@@ -76,7 +76,7 @@ def test_kvcache_lane_copies_a_strided_q_every_call():
         q = torch.randn(2, 1, 4, 16, 2, generator=gen).to(DEV)[..., 0]  # last-dim stride 2
         out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True)
         check_rows(out, lse, q, k_cache, v_cache, lens)
-    assert entry(kv_ops._CHECKED).lane.calls == 3
+    assert entry(kv_ops._CHECKED).lane.calls == 2
 
 
 def test_kvcache_lane_with_append_and_return_variants():
@@ -98,7 +98,7 @@ def test_kvcache_lane_with_append_and_return_variants():
         check_rows(out, lse, q, k_cache, v_cache, lens)
     lanes = [e.lane for e in kv_ops._CHECKED.entries.values()]
     # appending without and with the lse returned, and the lse-only calls without an append
-    assert len(lanes) == 3 and all(lane.calls == 2 for lane in lanes)
+    assert len(lanes) == 3 and all(lane.calls == 1 for lane in lanes)
 
 
 @pytest.mark.parametrize("append", [True, False])
@@ -113,13 +113,13 @@ def test_kvcache_bad_lengths_after_lane_calls_still_raise(append):
     lens = torch.tensor([3, 6], dtype=torch.int32, device=DEV)
     for _ in range(2):
         tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
-    assert entry(kv_ops._CHECKED).lane.calls == 2
+    assert entry(kv_ops._CHECKED).lane.calls == 1
     lens.copy_(torch.tensor([3, 8 if append else 9], dtype=torch.int32))
     before = k_cache.clone()
     with pytest.raises(IndexError, match="room" if append else "capacity"):
         tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
     assert torch.equal(k_cache, before), "a rejected call wrote into the cache"
-    assert entry(kv_ops._CHECKED).lane.calls == 2
+    assert entry(kv_ops._CHECKED).lane.calls == 1
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="a failing device assertion leaves the CUDA context unusable")
@@ -153,7 +153,7 @@ def test_dense_lane_new_values_then_grad_then_no_grad():
         q, k, v = (torch.randn(shape, generator=gen).to(DEV) for _ in range(3))
         out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         assert_attention(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal=True)
-    assert entry(dense_ops._CHECKED).lane.calls == 3
+    assert entry(dense_ops._CHECKED).lane.calls == 2
     dense_ops._CHECKED.clear()
     qg = q.clone().requires_grad_()
     with torch.no_grad():
@@ -161,14 +161,14 @@ def test_dense_lane_new_values_then_grad_then_no_grad():
         tileattn.flash_attn_func(qg, k, v, causal=True)
     no_grad = entry(dense_ops._CHECKED)
     out = tileattn.flash_attn_func(qg, k, v, causal=True)
-    assert out.requires_grad and no_grad.lane.calls == 2
+    assert out.requires_grad and no_grad.lane.calls == 1
     out.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
     graph_entry = next(e for e in dense_ops._CHECKED.entries.values() if e is not no_grad)
     assert graph_entry.lane is False
     with torch.no_grad():
         tileattn.flash_attn_func(qg, k, v, causal=True)
-    assert no_grad.lane.calls == 3
+    assert no_grad.lane.calls == 2
 
 
 def test_dense_dropout_and_cpu_tiles_take_no_lane(monkeypatch):
@@ -212,5 +212,18 @@ def test_clear_plans_sends_a_prepared_launch_back_to_attn_fwd(monkeypatch):
     monkeypatch.setattr(A, "attn_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     A.clear_plans()
     out = tileattn.flash_attn_func(q, k, v)
-    assert calls == [1] and entry(dense_ops._CHECKED).lane.calls == 2
+    assert calls == [1] and entry(dense_ops._CHECKED).lane.calls == 1
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_an_autotuned_prefill_gets_its_lane_after_the_first_call(monkeypatch):
+    """The first call tunes the prefill tile (its plan has no launch before); the lane, prepared
+    after that call, launches the tuned one."""
+    monkeypatch.setenv("TILEATTN_AUTOTUNE", "1")
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(89)
+    q, k, v = (torch.randn(1, 80, 2, 16, generator=gen).to(DEV) for _ in range(3))  # 80 rows: the prefill tile
+    first = tileattn.flash_attn_func(q, k, v, causal=True)
+    second = tileattn.flash_attn_func(q, k, v, causal=True)
+    assert entry(dense_ops._CHECKED).lane.calls == 1
+    torch.testing.assert_close(second, first, rtol=0, atol=0)

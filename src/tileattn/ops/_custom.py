@@ -214,19 +214,19 @@ def _needs_graph(q, k, v, learnable_sink) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
 
 
-def prepare(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes, max_seqlen_q: int,
-            max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale, backend):
+def prepare(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, params: AttnParams, *, alibi_slopes,
+            max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale,
+            backend):
     """``attention()`` decided once for every call with these tensors' metadata and these options
-    (a memo entry's, ``_memo``): the backend's prepared launch, which takes ``(q, k, v,
-    alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale)`` and returns
-    (out, lse) allocated as ``_run_fwd`` allocates them (``gpu.prepared.PreparedFwd``). None
-    where a call must decide per call: under torch.compile, when autograd records the call, on a
-    backend without ``prepare_fwd`` (the CPU tiles) or a call it declines. Dense tensors only."""
+    (a memo entry's, ``_memo``), after a call of them returned (out, lse) (its plan is tuned by
+    then): the backend's prepared launch, which takes ``(q, k, v, alibi_slopes, learnable_sink,
+    seqused_k, block_table, k_descale, v_descale)`` and returns (out, lse) allocated alike
+    (``gpu.prepared.PreparedFwd``). None where a call must decide per call: under torch.compile,
+    when autograd records the call, on a backend without ``prepare_fwd`` (the CPU tiles) or a
+    call it declines. Dense tensors only."""
     prepare_fwd = getattr(backend, "prepare_fwd", None)
     if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
         return None
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse = q.new_empty(lse_shape(q, False), dtype=_lse_dtype(q))
     return prepare_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q),
                        max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table,
                        num_splits=int(num_splits), learnable_sink=learnable_sink, k_descale=k_descale)

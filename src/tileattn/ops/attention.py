@@ -98,15 +98,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     params = with_dropout_seed(checked.params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    if checked.lane is None:  # the signature's first call here: its launch decided once (``_custom.prepare``)
-        checked.lane = prepare(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
-                               seqused_k=None, block_table=None, num_splits=1, learnable_sink=sink, k_descale=None,
-                               backend=checked.backend) or False
     if checked.lane:
         out, lse = checked.lane(q, k, v, alibi, sink, None, None, None, None)
     else:
         out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
                              deterministic=deterministic, learnable_sink=sink, backend=checked.backend)
+        if checked.lane is None:  # the signature's first call: its later calls' launch, decided once
+            checked.lane = prepare(q, k, v, out, lse, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q,
+                                   max_seqlen_k=k.shape[1], seqused_k=None, block_table=None, num_splits=1,
+                                   learnable_sink=sink, k_descale=None, backend=checked.backend) or False
     if return_attn_probs:
         return out, lse, attention_probs(q, k, lse, params, alibi)
     return out

@@ -125,11 +125,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
                                          cache_batch_idx, plan.num_splits, sink)
     else:
-        if plan.lane is None:  # the signature's first call here: its launch decided once (``_custom.prepare``)
-            plan.lane = prepare(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                                max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                                num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
-                                backend=plan.backend) or False
         if plan.lane:
             out, lse = plan.lane(q, k_cache, v_cache, alibi, sink, seqused_k, block_table, k_descale, v_descale)
         else:
@@ -137,6 +132,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
                                  num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
                                  v_descale=v_descale, backend=plan.backend)
+            if plan.lane is None:  # the signature's first call: its later calls' launch, decided once
+                plan.lane = prepare(q, k_cache, v_cache, out, lse, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                                    max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                                    num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
+                                    backend=plan.backend) or False
     return (out, lse) if return_softmax_lse else out
 
 
