@@ -201,8 +201,14 @@ def _v_is_k(k, v) -> bool:
 
 
 def clear_plans() -> None:
-    """Forget every launch plan (after changing this module's tile constants, as the tile sweep does)."""
+    """Forget every launch plan (after changing this module's tile constants, as the tile sweep does);
+    the launches ``prepare_fwd`` bound to plans go back to ``attn_fwd`` (``generation``)."""
+    global generation
     _PLANS.clear()
+    generation += 1
+
+
+generation = 0  # how many times the plans were forgotten
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
@@ -513,17 +519,8 @@ class FwdPlan:
                 l_dst[0].view(torch.int32).fill_(UNSPLIT_MARK.value)
         else:
             o_dst, l_dst = out, lse
-        dropout_p = params.dropout_p
-        ints = self.ints
-        if self.kv_per_call:  # this call's key and value strides (k then v, 3 each) and key length
-            ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
-            ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
         args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                block_table, k_descale, v_descale, *ints,
-                float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
-                params.window_right, params.diag_shift, *params.dropout_offsets(q.shape[-2]), params.dropout_seed,
-                keep_threshold(dropout_p),
-                1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
+                block_table, k_descale, v_descale, *self.call_ints(k, v), *scalar_args(params, q.shape[-2]))
         if self.fwd is not None:
             self.fwd(self.grid, *args)
         else:
@@ -533,6 +530,15 @@ class FwdPlan:
                           learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
         if self.combine is not None and combine:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
+
+    def call_ints(self, k, v) -> tuple:
+        """The integer arguments of a launch on these keys and values: ``ints``, with the call's own
+        key and value strides (k then v, 3 each) and key length when the plan takes them per call."""
+        ints = self.ints
+        if self.kv_per_call:
+            ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
+            ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
+        return ints
 
     def run_partials(self, q, k, v, params: AttnParams, seqused_k, block_table, o_parts, lse_parts, k_descale=None,
                      v_descale=None) -> None:
@@ -562,6 +568,16 @@ class FwdPlan:
         else:
             self._use_config(config)
             self.fwd(self.grid, *args)
+
+
+def scalar_args(params: AttnParams, nheads: int) -> tuple:
+    """The forward kernel's arguments after the integers, for a call of ``nheads`` query heads:
+    the scale (base 2), softcap, window, diagonal shift and dropout's counters, seed, threshold
+    and rescale."""
+    dropout_p = params.dropout_p
+    return (float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
+            params.window_right, params.diag_shift, *params.dropout_offsets(nheads), params.dropout_seed,
+            keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
 
 
 def merge_parts(o_parts, lse_parts, out, lse) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..contract import AttnParams
 from .backend import backend_for
 
-__all__ = ["attention", "lse_shape"]
+__all__ = ["attention", "lse_shape", "prepare"]
 
 
 def lse_shape(q: Tensor, packed: bool) -> tuple[int, ...]:
@@ -187,15 +187,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
     backward. Both skip the dispatcher's per-call cost, which matters to decoding and to short
     training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
+    A public function's memo entry may hold a prepared launch (``prepare``) that its later calls
+    take instead of this function.
     """
     if torch.compiler.is_compiling():
         return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                                learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
                                params.window_left, params.window_right, params.softcap, params.dropout_p,
                                params.dropout_seed, int(num_splits), bool(deterministic), k_descale, v_descale))
-    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
-    needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
-    if not needs_graph:
+    if not _needs_graph(q, k, v, learnable_sink):
         direct = out is None or out.stride(-1) == 1
         res = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
@@ -206,6 +206,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
         int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right,
         params.softcap, params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic), k_descale,
         v_descale))
+
+
+def _needs_graph(q, k, v, learnable_sink) -> bool:
+    """Whether autograd records this call: grad mode on and an input that requires grad."""
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, params: AttnParams, *, alibi_slopes,
+            max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale,
+            backend):
+    """``attention()`` decided once for every call with these tensors' metadata and these options
+    (a memo entry's, ``_memo``), after a call of them returned (out, lse) (its plan is tuned by
+    then): the backend's prepared launch, which takes ``(q, k, v, alibi_slopes, learnable_sink,
+    seqused_k, block_table, k_descale, v_descale)`` and returns (out, lse) allocated alike
+    (``gpu.prepared.PreparedFwd``). None where a call must decide per call: under torch.compile,
+    when autograd records the call, on a backend without ``prepare_fwd`` (the CPU tiles) or a
+    call it declines. Dense tensors only."""
+    prepare_fwd = getattr(backend, "prepare_fwd", None)
+    if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
+        return None
+    return prepare_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q),
+                       max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table,
+                       num_splits=int(num_splits), learnable_sink=learnable_sink, k_descale=k_descale)
 
 
 def _into(out, res):

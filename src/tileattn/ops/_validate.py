@@ -549,7 +549,8 @@ def check_used_keys(seqused_k, cu_seqlens_k) -> None:
 
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
                        num_blocks: int = 0, rotary_len: int | None = None, rotary_reach: int = 0,
-                       table_name: str = "block_table", leftpad=None, lengths_name: str = "cache_seqlens") -> None:
+                       table_name: str = "block_table", leftpad=None, lengths_name: str = "cache_seqlens",
+                       kept=None) -> None:
     """KV-cache lengths, left pads and block-table entries.
 
     After appending ``new_tokens``, every length must fit the capacity, and every block-table
@@ -557,6 +558,8 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     page are never read, so they may hold anything). A sequence's ``leftpad`` (the slot its
     keys start at) must lie within 0 .. its length. With rotary tables of ``rotary_len``
     positions, every rotated position (up to length + ``rotary_reach`` - 1) must have a row.
+    ``kept``: a memo entry (``_memo``) of the caller's signature, whose ``device_check`` keeps
+    the device check's launch (``gpu.checks.CacheCheck``) for its later calls.
     """
     mode = value_mode(seqlens)
     if mode is None or seqlens.numel() == 0:
@@ -574,7 +577,7 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
         return
     if mode == "device":
         _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
-                               rotary_reach, table_name, leftpad, lengths_name)
+                               rotary_reach, table_name, leftpad, lengths_name, kept)
     if mode != "host":
         return
     # One device-to-host copy each (when debugging CUDA tensors): lengths as a list (the
@@ -612,16 +615,20 @@ def _check_extent(lo: int, hi: int, new_tokens: int, capacity: int, rotary_len, 
 
 
 def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
-                           rotary_reach, table_name, leftpad, lengths_name) -> None:
+                           rotary_reach, table_name, leftpad, lengths_name, kept) -> None:
     """``check_cache_values`` in one kernel on the device (``gpu.checks``) and one asynchronous
     assertion."""
-    from ..gpu.checks import cache_values_ok
+    check = None if kept is None else kept.device_check
+    if check is None:
+        from ..gpu.checks import CacheCheck
 
-    top = capacity - new_tokens
-    if rotary_len is not None:
-        top = min(top, rotary_len - rotary_reach)
-    ok = cache_values_ok(seqlens, top, leftpad=leftpad, block_table=block_table, new_tokens=new_tokens,
-                         block_size=block_size, num_blocks=num_blocks)
+        top = capacity - new_tokens
+        if rotary_len is not None:
+            top = min(top, rotary_len - rotary_reach)
+        check = CacheCheck(seqlens, top, leftpad, block_table, new_tokens, block_size, num_blocks)
+        if kept is not None:
+            kept.device_check = check
+    ok = check(seqlens, leftpad, block_table)
     if ok.is_cuda:  # a device assertion carries no message: none is built on the decoding path
         assert_on_device(ok, "")
         return

@@ -28,7 +28,7 @@ import torch
 from ..contract import AttnParams
 from ..dropout_mask import M32, fmix32
 from . import _validate as V
-from ._custom import attention
+from ._custom import attention, prepare
 from ._memo import Memo, signature
 from ._probs import attention_probs
 from .backend import backend_for
@@ -91,27 +91,42 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         checked = _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                          return_attn_probs, learnable_sink)
         _CHECKED.put(key, checked)
-    params, backend = checked
+        checked.lane = None if key is not None else False  # only a kept signature's calls take a lane
     batch, seqlen_q = q.shape[0], q.shape[1]
     alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[2])
 
-    params = with_dropout_seed(params, q.device)
+    params = with_dropout_seed(checked.params, q.device)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
-                         deterministic=deterministic, learnable_sink=sink, backend=backend)
+    if checked.lane:
+        out, lse = checked.lane(q, k, v, alibi, sink, None, None, None, None)
+    else:
+        out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
+                             deterministic=deterministic, learnable_sink=sink, backend=checked.backend)
+        if checked.lane is None:  # the signature's first call: its later calls' launch, decided once
+            checked.lane = prepare(q, k, v, out, lse, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q,
+                                   max_seqlen_k=k.shape[1], seqused_k=None, block_table=None, num_splits=1,
+                                   learnable_sink=sink, k_descale=None, backend=checked.backend) or False
     if return_attn_probs:
         return out, lse, attention_probs(q, k, lse, params, alibi)
     return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Checked:
+    """What ``_check`` worked out for one signature of ``flash_attn_func``."""
+
+    params: AttnParams
+    backend: object  # the module backend_for(q.device) returns
+    lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
 
 
 _CHECKED = Memo()
 
 
 def _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           return_attn_probs, learnable_sink) -> tuple:
-    """Every check of ``flash_attn_func``'s arguments (none reads a tensor's values); returns the
-    call's AttnParams and backend module."""
+           return_attn_probs, learnable_sink) -> _Checked:
+    """Every check of ``flash_attn_func``'s arguments (none reads a tensor's values)."""
     V.check_qkv(q, k, v, packed=False, headdim_v=True)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     batch = q.shape[0]
@@ -121,7 +136,7 @@ def _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                            softcap=softcap, dropout_p=dropout_p)
     V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     V.check_backward(batch, q, k, v, V.check_sink(learnable_sink, q, q.shape[2]))
-    return params, backend_for(q.device)
+    return _Checked(params, backend_for(q.device))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

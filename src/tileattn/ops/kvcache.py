@@ -27,7 +27,10 @@ GPT-J style when ``rotary_interleaved``, GPT-NeoX style otherwise (``tileattn.op
 
 All arguments are checked before anything is rotated or written (``tileattn.ops._validate``):
 a bad option leaves the cache untouched. The checks that read no tensor values run once per
-call signature (``tileattn.ops._memo``); those that read values run on every call.
+call signature (``tileattn.ops._memo``); those that read values run on every call. A kept
+signature's later calls on the Triton backend launch what its first call prepared
+(``_custom.prepare``), and one with nothing to derive per call (no append, rotary, row index,
+left pad, ALiBi, sinks or descales) does only its value check and that launch.
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
@@ -47,13 +50,13 @@ from a CUDA graph.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 
 from ..contract import AttnParams
 from . import _validate as V
-from ._custom import attention
+from ._custom import attention, prepare
 from ._memo import Memo, signature
 from .backend import backend_for
 from .fp8 import quantize
@@ -82,11 +85,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                      block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
                     (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size)
     plan = _CHECKED.get(key)
+    if (plan is not None and plan.lane and k is None and rotary_cos is None and cache_batch_idx is None
+            and cache_leftpad is None and alibi_slopes is None and learnable_sink is None and k_descale is None
+            and cache_seqlens is not None):
+        # A kept signature with a lane and nothing to derive per call: its tensors' metadata passed
+        # the checks before, so the values' check and the launch are all that is left to do.
+        V.check_cache_values(cache_seqlens, 0, plan.capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                             kept=plan)
+        out, lse = plan.lane(V.last_dim_contiguous(q), k_cache, v_cache, None, None, cache_seqlens, block_table,
+                             None, None)
+        return (out, lse) if return_softmax_lse else out
     if plan is None:
         plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                       softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                       return_softmax_lse, k_descale, v_descale)
         _CHECKED.put(key, plan)
+        plan.lane = None if key is not None else False  # only a kept signature's calls take a lane
     batch, paged, params = q.shape[0], block_table is not None, plan.params
     k_descale, v_descale = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
     if cache_batch_idx is not None:
@@ -99,7 +113,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sink = V.check_sink(learnable_sink, q, q.shape[2])
     V.check_cache_values(cache_seqlens, plan.new_tokens, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
                          rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
-                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad)
+                         table_name="block_table" if paged else "cache_batch_idx", leftpad=cache_leftpad,
+                         kept=None if key is None else plan)
 
     seqused_k = cache_seqlens
     if k is not None:
@@ -110,14 +125,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
                                          cache_batch_idx, plan.num_splits, sink)
     else:
-        out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
-                             max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                             num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale, v_descale=v_descale,
-                             backend=plan.backend)
+        if plan.lane:
+            out, lse = plan.lane(q, k_cache, v_cache, alibi, sink, seqused_k, block_table, k_descale, v_descale)
+        else:
+            out, lse = attention(q, k_cache, v_cache, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                                 max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                                 num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
+                                 v_descale=v_descale, backend=plan.backend)
+            if plan.lane is None:  # the signature's first call: its later calls' launch, decided once
+                plan.lane = prepare(q, k_cache, v_cache, out, lse, params, alibi_slopes=alibi, max_seqlen_q=q.shape[1],
+                                    max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                                    num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
+                                    backend=plan.backend) or False
     return (out, lse) if return_softmax_lse else out
 
 
-class _Checked(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class _Checked:
     """What ``_check`` worked out for one signature of ``flash_attn_with_kvcache``."""
 
     params: AttnParams
@@ -128,6 +152,8 @@ class _Checked(NamedTuple):
     rotary_reach: int  # positions past cache_seqlens that get rotated
     per_token_q: bool  # causal or local: q rotated per token
     backend: object  # the module backend_for(q.device) returns
+    lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
+    device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
 
 
 _CHECKED = Memo()

@@ -1,0 +1,229 @@
+"""The fast lane (``tileattn.ops._custom.prepare``, ``tileattn.gpu.prepared``): a kept signature's
+launch decided once, after its first call. It must be taken (counted), give each call's own answer (new values, lengths,
+cache contents, q), leave the calls it cannot serve (gradients, dropout, the CPU tiles, prefill
+shapes the Hopper kernel may take) to the full path, and keep every value check.
+
+On the Triton backend: CUDA tensors on a GPU, else CPU tensors in Triton's interpreter."""
+
+import pytest
+import torch
+
+import tileattn
+from tileattn.gpu import attention as A
+from tileattn.gpu import prepared
+from tileattn.contract import AttnParams
+from tileattn.ops import _validate as V
+from tileattn.ops import attention as dense_ops
+from tileattn.ops import kvcache as kv_ops
+from test_memo import assert_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    """The Triton kernels (the interpreter without a GPU), value checks on the host, fresh memos."""
+    if DEV == "cpu":
+        monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    else:
+        monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "1")
+    kv_ops._CHECKED.clear()
+    dense_ops._CHECKED.clear()
+
+
+def entry(memo):
+    """The one entry of a memo."""
+    (value,) = memo.entries.values()
+    return value
+
+
+def check_rows(out, lse, q, k_cache, v_cache, lens, table=None, **opts):
+    """Each sequence's (out, lse) against the reference over its first lens[b] keys."""
+    for b, n in enumerate(lens.tolist()):
+        k, v = k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+        if table is not None:  # the sequence's pages in order, as a dense cache
+            page = k_cache.shape[1]
+            k, v = (c[table[b].long()].reshape(1, -1, *c.shape[2:])[:, :n] for c in (k_cache, v_cache))
+            assert k.shape[1] == n and table.shape[1] * page >= n
+        assert_attention(out[b:b + 1].cpu(), lse[b:b + 1].cpu(), q[b:b + 1].cpu(), k.cpu(), v.cpu(), **opts)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_kvcache_lane_is_taken_and_reads_each_calls_tensors(paged, num_splits):
+    """One signature, five calls: new q, cache contents and lengths, in new tensors and in place."""
+    gen = torch.Generator().manual_seed(81)
+    batch, cap, page = 2, 24, 8
+    table = torch.tensor([[5, 0, 3], [1, 4, 2]], dtype=torch.int32).to(DEV) if paged else None
+    shape = (6, page, 2, 16) if paged else (batch, cap, 2, 16)
+    lens = torch.empty(batch, dtype=torch.int32, device=DEV)
+    for step in range(5):
+        q = torch.randn(batch, 1, 4, 16, generator=gen).to(DEV)  # a new tensor every call
+        k_cache, v_cache = (torch.randn(shape, generator=gen).to(DEV) for _ in range(2))
+        lens.copy_(torch.tensor([3 + 4 * step, cap - step], dtype=torch.int32))  # in place
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                    num_splits=num_splits, causal=True, return_softmax_lse=True)
+        check_rows(out, lse, q, k_cache, v_cache, lens, table, causal=True)
+    assert entry(kv_ops._CHECKED).lane.calls == 4  # all but the first, which prepares it
+
+
+def test_kvcache_lane_copies_a_strided_q_every_call():
+    """A q whose last dim is strided is copied before the launch, on the lane's calls too."""
+    gen = torch.Generator().manual_seed(88)
+    k_cache, v_cache = (torch.randn(2, 12, 2, 16, generator=gen).to(DEV) for _ in range(2))
+    lens = torch.tensor([4, 11], dtype=torch.int32, device=DEV)
+    for _ in range(3):
+        q = torch.randn(2, 1, 4, 16, 2, generator=gen).to(DEV)[..., 0]  # last-dim stride 2
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True)
+        check_rows(out, lse, q, k_cache, v_cache, lens)
+    assert entry(kv_ops._CHECKED).lane.calls == 2
+
+
+def test_kvcache_lane_with_append_and_return_variants():
+    """Appending new keys every step (the lengths grow), with and without the lse returned."""
+    gen = torch.Generator().manual_seed(82)
+    batch, cap = 2, 16
+    k_cache, v_cache = (torch.randn(batch, cap, 2, 16, generator=gen).to(DEV) for _ in range(2))
+    lens = torch.tensor([2, 5], dtype=torch.int32, device=DEV)
+    for step in range(4):
+        q = torch.randn(batch, 1, 4, 16, generator=gen).to(DEV)
+        k, v = (torch.randn(batch, 1, 2, 16, generator=gen).to(DEV) for _ in range(2))
+        res = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens,
+                                               return_softmax_lse=step % 2 == 1)
+        out, lse = res if step % 2 else (res, None)
+        assert torch.equal(k_cache[0, int(lens[0])], k[0, 0]) and torch.equal(v_cache[1, int(lens[1])], v[1, 0])
+        lens += 1
+        if lse is None:
+            _, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True)
+        check_rows(out, lse, q, k_cache, v_cache, lens)
+    lanes = [e.lane for e in kv_ops._CHECKED.entries.values()]
+    # appending without and with the lse returned, and the lse-only calls without an append
+    assert len(lanes) == 3 and all(lane.calls == 1 for lane in lanes)
+
+
+@pytest.mark.parametrize("append", [True, False])
+def test_kvcache_bad_lengths_after_lane_calls_still_raise(append):
+    """Lengths past the capacity in the tensor the lane has seen: the check runs before the append
+    (with one) or the launch (without: the direct path of a signature with nothing to derive)."""
+    gen = torch.Generator().manual_seed(83)
+    k_cache, v_cache = (torch.randn(2, 8, 2, 16, generator=gen).to(DEV) for _ in range(2))
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(DEV)
+    new = dict(k=torch.randn(2, 1, 2, 16, generator=gen).to(DEV)) if append else {}
+    new = {**new, "v": new["k"]} if append else new
+    lens = torch.tensor([3, 6], dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
+    assert entry(kv_ops._CHECKED).lane.calls == 1
+    lens.copy_(torch.tensor([3, 8 if append else 9], dtype=torch.int32))
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match="room" if append else "capacity"):
+        tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **new)
+    assert torch.equal(k_cache, before), "a rejected call wrote into the cache"
+    assert entry(kv_ops._CHECKED).lane.calls == 1
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="a failing device assertion leaves the CUDA context unusable")
+def test_kept_device_check_reads_each_calls_values(monkeypatch):
+    """The value check as on a GPU (one kernel and an asynchronous assertion), its launch kept in the
+    memo entry: later calls of the signature check their own lengths and block-table entries."""
+    monkeypatch.setattr(V, "value_mode", lambda t: "device")
+    gen = torch.Generator().manual_seed(84)
+    pool_k, pool_v = (torch.randn(4, 4, 2, 16, generator=gen) for _ in range(2))
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    for _ in range(2):
+        tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table)
+    kept = entry(kv_ops._CHECKED).device_check
+    assert kept is not None
+    for bad_lens, bad_table in (([3, 9], [[2, 0], [1, 3]]), ([3, 6], [[2, 0], [1, 4]]), ([-1, 6], [[2, 0], [1, 3]])):
+        lens.copy_(torch.tensor(bad_lens, dtype=torch.int32))
+        table.copy_(torch.tensor(bad_table, dtype=torch.int32))
+        with pytest.raises(RuntimeError, match="cache_seqlens"):
+            tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table)
+    assert entry(kv_ops._CHECKED).device_check is kept
+
+
+def test_dense_lane_new_values_then_grad_then_no_grad():
+    """flash_attn_func's lane: new values each call; a call that needs a graph takes the autograd
+    path (its own signature) and its gradient flows; no-grad calls after it take the lane again."""
+    gen = torch.Generator().manual_seed(85)
+    shape = (2, 3, 4, 16)
+    for _ in range(3):
+        q, k, v = (torch.randn(shape, generator=gen).to(DEV) for _ in range(3))
+        out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert_attention(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal=True)
+    assert entry(dense_ops._CHECKED).lane.calls == 2
+    dense_ops._CHECKED.clear()
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        tileattn.flash_attn_func(qg, k, v, causal=True)
+        tileattn.flash_attn_func(qg, k, v, causal=True)
+    no_grad = entry(dense_ops._CHECKED)
+    out = tileattn.flash_attn_func(qg, k, v, causal=True)
+    assert out.requires_grad and no_grad.lane.calls == 1
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    graph_entry = next(e for e in dense_ops._CHECKED.entries.values() if e is not no_grad)
+    assert graph_entry.lane is False
+    with torch.no_grad():
+        tileattn.flash_attn_func(qg, k, v, causal=True)
+    assert no_grad.lane.calls == 2
+
+
+def test_dense_dropout_and_cpu_tiles_take_no_lane(monkeypatch):
+    gen = torch.Generator().manual_seed(86)
+    q = torch.randn(1, 3, 2, 16, generator=gen).to(DEV)
+    tileattn.flash_attn_func(q, q, q, dropout_p=0.25)  # a seed per call
+    tileattn.flash_attn_func(q, q, q, dropout_p=0.25)
+    assert entry(dense_ops._CHECKED).lane is False
+    if DEV == "cpu":
+        dense_ops._CHECKED.clear()
+        monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+        tileattn.flash_attn_func(q, q, q)
+        tileattn.flash_attn_func(q, q, q)
+        assert entry(dense_ops._CHECKED).lane is False
+
+
+def test_prepare_fwd_leaves_what_the_hopper_kernel_may_take():
+    """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count) are decided per call
+    (environment, alignment): no prepared launch; decoding shapes and caches get one."""
+    params = AttnParams(0.25)
+    rows = prepared.MIN_SEQLEN_Q
+    q = torch.empty(1, rows, 2, 64, device=DEV)
+    lse = torch.empty(1, 2, rows, device=DEV)
+    opts = dict(params=params, alibi_slopes=None, max_seqlen_q=rows, max_seqlen_k=rows, seqused_k=None,
+                block_table=None, learnable_sink=None, k_descale=None)
+    assert prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts) is None
+    q1 = q[:, :1]
+    for num_splits in (1, 2):
+        assert prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts) is not None
+
+
+def test_clear_plans_sends_a_prepared_launch_back_to_attn_fwd(monkeypatch):
+    """New tile constants (the tile sweep) come with clear_plans: a lane made before must not keep
+    launching the old plan."""
+    gen = torch.Generator().manual_seed(87)
+    q = torch.randn(1, 2, 4, 16, generator=gen).to(DEV)
+    k, v = (torch.randn(1, 5, 2, 16, generator=gen).to(DEV) for _ in range(2))
+    ref = tileattn.flash_attn_func(q, k, v)
+    calls = []
+    real = A.attn_fwd
+    monkeypatch.setattr(A, "attn_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    A.clear_plans()
+    out = tileattn.flash_attn_func(q, k, v)
+    assert calls == [1] and entry(dense_ops._CHECKED).lane.calls == 1
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_an_autotuned_prefill_gets_its_lane_after_the_first_call(monkeypatch):
+    """The first call tunes the prefill tile (its plan has no launch before); the lane, prepared
+    after that call, launches the tuned one."""
+    monkeypatch.setenv("TILEATTN_AUTOTUNE", "1")
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(89)
+    q, k, v = (torch.randn(1, 80, 2, 16, generator=gen).to(DEV) for _ in range(3))  # 80 rows: the prefill tile
+    first = tileattn.flash_attn_func(q, k, v, causal=True)
+    second = tileattn.flash_attn_func(q, k, v, causal=True)
+    assert entry(dense_ops._CHECKED).lane.calls == 1
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
