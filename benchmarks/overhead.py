@@ -1,13 +1,16 @@
 """Host overhead: what one eager call costs the CPU before its kernels run, and where it goes.
 
-For a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
-caches, with and without the append of a new token, and through a ``DecodePlan``) and a short prefill (32×16 heads of 512 tokens, forward and forward+backward), it
-prints the wall time per call of a loop of calls (host-bound when the GPU work is shorter),
-the same for the backend launcher alone (no input checks, no custom op), the GPU kernels each
-call launches with their start and duration on the device, and cProfile's top functions by
-own time.
+Cases: a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
+caches, with and without the append of a new token, and through a ``DecodePlan``), SDPA's
+cuDNN on the same step (the anchor), two host floors (an empty Triton launch, a torch.empty),
+and a short prefill (32×16 heads of 512 tokens, forward and forward+backward); the decode and
+the prefill also through the backend launcher alone (no input checks, no custom op).
 
-    python benchmarks/overhead.py [--calls 200] [--top 18]
+For each it prints the wall time per call of a loop of calls (host-bound when the GPU work is
+shorter; the median of ``--repeats`` loops), the GPU kernels one call launches with their start
+and duration on the device, and cProfile's top functions by own time.
+
+    python benchmarks/overhead.py [--calls 200] [--repeats 5] [--top 18]
 """
 
 from __future__ import annotations
@@ -16,22 +19,33 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
+import triton
 
 import tileattn
 from tileattn.ops import _custom
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    """The median over ``repeats`` loops of each loop's wall time per call (the GPU hosts are noisy)."""
     fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    loops = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(loops)
+
+
+@triton.jit
+def _nothing_kernel(x_ptr, n):
+    pass
 
 
 def kernels_launched(fn) -> list[str]:
@@ -69,6 +83,19 @@ def cases():
     vc = torch.randn_like(kc)
     lens = torch.full((1,), 8192, dtype=torch.int32, device=dev)
     yield "decode contiguous", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    # the anchors of the same step, and what single host operations cost on this machine
+    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    F = torch.nn.functional
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)  # compiles cuDNN's plan once
+
+    def sdpa_cudnn():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    yield "sdpa cudnn decode (anchor)", sdpa_cudnn
+    yield "one empty Triton launch", lambda: _nothing_kernel[(1,)](lens, 1)
+    yield "one torch.empty", lambda: torch.empty(1, device=dev)
     pool_k = kc.view(512, 16, 8, 128)
     pool_v = vc.view(512, 16, 8, 128)
     table = torch.randperm(512, device=dev).to(torch.int32).view(1, 512)
@@ -109,12 +136,13 @@ def cases():
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5, help="loops per case; the median is reported")
     p.add_argument("--top", type=int, default=18)
     args = p.parse_args()
     assert _custom is not None
     rows = []
     for name, fn in cases():
-        us = per_call_us(fn, args.calls)
+        us = per_call_us(fn, args.calls, args.repeats)
         launched = kernels_launched(fn)
         rows.append((name, us, launched))
         print(f"\n##### {name}: {us:.1f} µs per call; kernels: {launched}")

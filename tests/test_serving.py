@@ -438,18 +438,24 @@ def test_fp8_latent_cache_shares_the_key_descale(device, d, dv):
 @pytest.mark.parametrize("num_splits", [None, 4])
 def test_mixed_batch_at_serving_shapes(num_splits):
     """GQA 32/8, hdim 128, blocks of 16: decode, speculative and prefill-chunk rows (two launches,
-    split or not) against float64 attention per sequence."""
+    split or not) against float64 attention per sequence; the lengths up to 9k keys, so the
+    automatic count splits the short rows (``RAGGED_WAVES``)."""
+    from tileattn.gpu import attention as A
+
     gen = torch.Generator().manual_seed(200)
     dtype, nheads, nheads_k, d = torch.bfloat16, 32, 8, 128
-    lens_q, lens_k = [1, 1, 4, 300, 0, 1, 4, 77], [1500, 2, 900, 1200, 64, 2047, 4, 77]
+    lens_q, lens_k = [1, 1, 4, 300, 0, 1, 4, 77], [1500, 2, 9000, 1200, 64, 5047, 4, 77]
     q = torch.randn(sum(lens_q), nheads, d, generator=gen).to(dtype)
     keys = [torch.randn(n, nheads_k, d, generator=gen).to(dtype) for n in lens_k]
     values = [torch.randn(n, nheads_k, d, generator=gen).to(dtype) for n in lens_k]
-    kv_pool, table = paged_pool([torch.cat([k, v], -1) for k, v in zip(keys, values)], 16, 600, gen, dtype)
+    kv_pool, table = paged_pool([torch.cat([k, v], -1) for k, v in zip(keys, values)], 16, 1300, gen, dtype)
     k_pool, v_pool = kv_pool[..., :d].cuda(), kv_pool[..., d:].cuda()
+    A.clear_plans()
     out = tileattn.flash_attn_varlen_func(q.cuda(), k_pool, v_pool, cu(lens_q).cuda(), None, max(lens_q),
                                           max(lens_k), seqused_k=torch.tensor(lens_k, dtype=torch.int32).cuda(),
                                           block_table=table.cuda(), causal=True, num_splits=num_splits)
+    (plan,) = A._PLANS.values()
+    assert plan.num_splits == (num_splits or plan.num_splits) > 1 and plan.long.num_splits == 1
     ref_o, _, plain_o, _ = expected(q, keys, values, lens_q, dict(causal=True), dtype)
     assert_within("out", out.cpu(), plain_o, ref_o)
 

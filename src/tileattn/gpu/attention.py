@@ -55,6 +55,14 @@ DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the s
 PREFETCH_PAGES = {"decode": False, "decode_fp8": True, "prefill": True}
 MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
+# a call over a KV cache with its lengths (``seqused_k``): the host does not know them, and they
+# may differ from sequence to sequence, so a few long splits leave the SMs idle while the longest
+# sequences finish. Splits for RAGGED_WAVES waves of programs (counted at the longest length)
+# keep every SM busy to the end, each split at least RAGGED_MIN_KEYS keys. Measured on the H200
+# (2026-12-01 03:08, docs/perf-notes.md): 48 decoding rows over 8k-32k keys took 1,153 us with
+# the two-wave rule's 1 split, 922-930 with 8-24 (read floor 876)
+RAGGED_WAVES = 12
+RAGGED_MIN_KEYS = 1024
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
 COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
@@ -138,7 +146,8 @@ def _gpu_limits(index: int) -> tuple[int, int]:
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
-def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_smem: int, waves: int) -> int:
+def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_smem: int, waves: int,
+                 ragged_blocks: int = 0) -> int:
     """Flash-decoding split count: enough programs for ``waves`` waves of the programs the GPU holds at once.
 
     The GPU holds about ``SMs x (shared memory a block may use // program_smem)`` programs at once. 1 when
@@ -147,12 +156,19 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     (benchmarks/decode_tiles.py, docs/perf-notes.md): a contiguous cache is fastest with one
     wave (batch 1: 16 splits of 8 KV heads; a partial second wave cost up to 20 %), a paged one
     with two, which hide the latency of the block-table lookups.
+
+    ``ragged_blocks`` > 0: the sequences' lengths are per-call values the host does not know
+    (``seqused_k``); then at least enough splits for ``RAGGED_WAVES`` waves, but no more than
+    ``ragged_blocks`` (the key blocks of ``RAGGED_MIN_KEYS`` keys).
     """
     if device.type != "cuda" or interpreting():
         return 1
     sms, smem = _gpu_limits(device.index if device.index is not None else torch.cuda.current_device())
     resident = sms * max(1, smem // program_smem)
-    return max(1, min(waves * resident // programs, key_blocks, MAX_SPLITS))
+    splits = waves * resident // programs
+    if ragged_blocks:
+        splits = max(splits, min(cdiv(RAGGED_WAVES * resident, programs), ragged_blocks))
+    return max(1, min(splits, key_blocks, MAX_SPLITS))
 
 
 def _decode_tile(block_m: int, page_size: int, head_dim_pad: int, elem_size: int, v_width: int | None = None,
@@ -427,9 +443,12 @@ class FwdPlan:
             block_n, stages = _decode_tile(block_m, page_size if paged else 0, smem_dim, elem_size,
                                            kv_elem_size=kv_elem_size)
         if num_splits == 0:
-            programs = batch * heads_grid * cdiv(max_rows, block_m)
+            # a mixed batch's short sequences: most are decoding rows, one tile each (the grid's
+            # other tiles of them end at once)
+            programs = batch * heads_grid * (1 if mixed else cdiv(max_rows, block_m))
             smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size, v_width, kv_elem_size)
-            num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1)
+            num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1,
+                                      ragged_blocks=0 if seqused is None else seqlen_k // RAGGED_MIN_KEYS)
         split_kv = num_splits > 1
         self.num_splits = num_splits
         self.long = FwdPlan(key, min_seqlen_q=short + 1) if mixed else None
