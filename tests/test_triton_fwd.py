@@ -328,11 +328,13 @@ def test_auto_splits_fill_the_waves(monkeypatch):
     assert launch._auto_splits(1, 4096, gpu, small, waves=2) == launch.MAX_SPLITS
     assert launch._auto_splits(512, 256, gpu, big, waves=1) == 1  # the GPU is full already
     assert launch._auto_splits(8, 64, torch.device("cpu"), big, waves=1) == 1
-    # lengths per call (seqused_k): RAGGED_WAVES waves, each split at least RAGGED_MIN_KEYS keys
-    assert launch._auto_splits(384, 256, gpu, small, waves=2, ragged_blocks=32) == 9  # 48 decoding rows
+    # lengths per call (seqused_k): RAGGED_WAVES programs per SM whatever fits at once, each split
+    # at least RAGGED_MIN_KEYS keys
+    assert launch._auto_splits(384, 256, gpu, small, waves=2, ragged_blocks=32) == 5  # 48 decoding rows
+    assert launch._auto_splits(384, 256, gpu, 70 * 1024, waves=2, ragged_blocks=32) == 5  # three per SM: the same
     assert launch._auto_splits(384, 256, gpu, small, waves=2, ragged_blocks=4) == 4  # 4k keys: 1k per split
     assert launch._auto_splits(8, 256, gpu, big, waves=2, ragged_blocks=32) == 33  # the waves rule gave more
-    assert launch._auto_splits(384, 6, gpu, small, waves=2, ragged_blocks=32) == 6  # never more than key blocks
+    assert launch._auto_splits(384, 3, gpu, small, waves=2, ragged_blocks=32) == 3  # never more than key blocks
 
 
 # ----------------------------------------------------------------- larger shapes, GPU only

@@ -55,12 +55,13 @@ DECODE_MAX_ROWS = 64  # at most this many rows per (sequence, head group): the s
 PREFETCH_PAGES = {"decode": False, "decode_fp8": True, "prefill": True}
 MIXED_BLOCK_M = 16  # the decode tile's rows in a mixed batch (FwdPlan)
 MAX_SPLITS = 128
-# a call over a KV cache with its lengths (``seqused_k``): the host does not know them, and they
-# may differ from sequence to sequence, so a few long splits leave the SMs idle while the longest
-# sequences finish. Splits for RAGGED_WAVES waves of programs (counted at the longest length)
-# keep every SM busy to the end, each split at least RAGGED_MIN_KEYS keys. Measured on the H200
-# (2026-12-01 03:08, docs/perf-notes.md): 48 decoding rows over 8k-32k keys took 1,153 us with
-# the two-wave rule's 1 split, 922-930 with 8-24 (read floor 876)
+# a decode-tile call over a KV cache with its lengths (``seqused_k``): the host does not know them,
+# and they may differ from sequence to sequence, so a few long splits leave the SMs idle while the
+# longest sequences finish. Splits for RAGGED_WAVES programs per SM (counted at the longest
+# length) keep every SM busy to the end, each split at least RAGGED_MIN_KEYS keys. Measured on the
+# H200 (2026-12-01 03:08 and 03:37, docs/perf-notes.md): 48 decoding rows over 8k-32k keys, 1 split
+# (the two-wave rule's) 1,033 / 1,116 us (contiguous / paged 16), 5 splits 943 / 981, floor 915;
+# the price where every sequence has the same length, batch 64 x 8k: 484 -> 503 us (4 splits)
 RAGGED_WAVES = 12
 RAGGED_MIN_KEYS = 1024
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
@@ -158,8 +159,10 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     with two, which hide the latency of the block-table lookups.
 
     ``ragged_blocks`` > 0: the sequences' lengths are per-call values the host does not know
-    (``seqused_k``); then at least enough splits for ``RAGGED_WAVES`` waves, but no more than
-    ``ragged_blocks`` (the key blocks of ``RAGGED_MIN_KEYS`` keys).
+    (``seqused_k``); then at least enough splits for ``RAGGED_WAVES`` programs per SM (counted
+    at the longest length, whatever the shared memory lets run at once: a small FP8 tile must
+    not multiply the splits), but no more than ``ragged_blocks`` (the key blocks of
+    ``RAGGED_MIN_KEYS`` keys).
     """
     if device.type != "cuda" or interpreting():
         return 1
@@ -167,7 +170,7 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     resident = sms * max(1, smem // program_smem)
     splits = waves * resident // programs
     if ragged_blocks:
-        splits = max(splits, min(cdiv(RAGGED_WAVES * resident, programs), ragged_blocks))
+        splits = max(splits, min(cdiv(RAGGED_WAVES * sms, programs), ragged_blocks))
     return max(1, min(splits, key_blocks, MAX_SPLITS))
 
 
@@ -447,8 +450,9 @@ class FwdPlan:
             # other tiles of them end at once)
             programs = batch * heads_grid * (1 if mixed else cdiv(max_rows, block_m))
             smem = _smem_bytes(block_m, block_n, stages, smem_dim, elem_size, v_width, kv_elem_size)
+            ragged = seqused is not None and max_rows <= DECODE_MAX_ROWS  # the small decode tile
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1,
-                                      ragged_blocks=0 if seqused is None else seqlen_k // RAGGED_MIN_KEYS)
+                                      ragged_blocks=seqlen_k // RAGGED_MIN_KEYS if ragged else 0)
         split_kv = num_splits > 1
         self.num_splits = num_splits
         self.long = FwdPlan(key, min_seqlen_q=short + 1) if mixed else None
