@@ -333,7 +333,8 @@ def test_auto_splits_fill_the_waves(monkeypatch):
     assert launch._auto_splits(384, 256, gpu, small, waves=2, ragged_blocks=32) == 5  # 48 decoding rows
     assert launch._auto_splits(384, 256, gpu, 70 * 1024, waves=2, ragged_blocks=32) == 5  # three per SM: the same
     assert launch._auto_splits(384, 256, gpu, small, waves=2, ragged_blocks=4) == 4  # 4k keys: 1k per split
-    assert launch._auto_splits(8, 256, gpu, big, waves=2, ragged_blocks=32) == 33  # the waves rule gave more
+    assert launch._auto_splits(8, 256, gpu, big, waves=2, ragged_blocks=32) == 33  # batch 1: the waves rule
+    assert launch._auto_splits(8, 256, gpu, big, waves=1, ragged_blocks=32) == 16  # (contiguous: one wave)
     assert launch._auto_splits(384, 3, gpu, small, waves=2, ragged_blocks=32) == 3  # never more than key blocks
 
 

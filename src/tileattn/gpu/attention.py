@@ -159,17 +159,18 @@ def _auto_splits(programs: int, key_blocks: int, device: torch.device, program_s
     with two, which hide the latency of the block-table lookups.
 
     ``ragged_blocks`` > 0: the sequences' lengths are per-call values the host does not know
-    (``seqused_k``); then at least enough splits for ``RAGGED_WAVES`` programs per SM (counted
-    at the longest length, whatever the shared memory lets run at once: a small FP8 tile must
-    not multiply the splits), but no more than ``ragged_blocks`` (the key blocks of
-    ``RAGGED_MIN_KEYS`` keys).
+    (``seqused_k``). When the unsplit grid already gives every SM a program (a batch of many
+    sequences; below that the waves rule, measured at batch 1, stands), at least enough splits
+    for ``RAGGED_WAVES`` programs per SM (counted at the longest length, whatever the shared
+    memory lets run at once: a small FP8 tile must not multiply the splits), but no more than
+    ``ragged_blocks`` (the key blocks of ``RAGGED_MIN_KEYS`` keys).
     """
     if device.type != "cuda" or interpreting():
         return 1
     sms, smem = _gpu_limits(device.index if device.index is not None else torch.cuda.current_device())
     resident = sms * max(1, smem // program_smem)
     splits = waves * resident // programs
-    if ragged_blocks:
+    if ragged_blocks and programs >= sms:
         splits = max(splits, min(cdiv(RAGGED_WAVES * sms, programs), ragged_blocks))
     return max(1, min(splits, key_blocks, MAX_SPLITS))
 
