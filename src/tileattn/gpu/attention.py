@@ -59,7 +59,7 @@ MAX_SPLITS = 128
 # and they may differ from sequence to sequence, so a few long splits leave the SMs idle while the
 # longest sequences finish. Splits for RAGGED_WAVES programs per SM (counted at the longest
 # length) keep every SM busy to the end, each split at least RAGGED_MIN_KEYS keys. Measured on the
-# H200 (2026-12-01 03:08 and 03:37, docs/perf-notes.md): 48 decoding rows over 8k-32k keys, 1 split
+# H200 (2026-12-01 03:07 and 03:17, docs/perf-notes.md): 48 decoding rows over 8k-32k keys, 1 split
 # (the two-wave rule's) 1,033 / 1,116 us (contiguous / paged 16), 5 splits 943 / 981, floor 915;
 # the price where every sequence has the same length, batch 64 x 8k: 484 -> 503 us (4 splits)
 RAGGED_WAVES = 12
