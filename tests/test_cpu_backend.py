@@ -382,6 +382,50 @@ def test_seqused_k_on_a_dense_cache():
         assert_close64(f"lse[{b}]", lse[b:b + 1], ref_lse)
 
 
+ALIGNED_CASES = {  # keys used per sequence (the others NaN), tokens between sequence ends, options
+    "left padded": ([9, 13, 2, 5], 13, dict(causal=True)),
+    "window, softcap": ([9, 13, 2, 5], 20, dict(window=(3, 3), causal=True, softcap=2.0)),
+    "non-causal": ([4, 1, 7], 8, dict()),
+    # a row whose window holds none of its keys: not one tile (rows without keys), per sequence instead
+    "a row sees no key": ([9, 1, 6], 10, dict(window=(0, 0))),
+}
+
+
+@pytest.mark.parametrize("case", ALIGNED_CASES)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_varlen_keys_ending_evenly_spaced(case, sinks):
+    """Packed queries (2 per sequence) and keys read through cu_seqlens_k's starts and seqused_k,
+    whose ends lie evenly spaced (a left-padded batch read from a cache): one tile over a dense
+    view of the keys, each sequence's leading keys left out (they hold NaN, never read). Each
+    sequence equals the float64 reference over its own keys."""
+    used, pitch, opts = ALIGNED_CASES[case]
+    gen = torch.Generator().manual_seed(45)
+    nb, sq, h, hk, d = len(used), 2, 4, 2, 16
+    longest = max(used)
+    tokens = (nb - 1) * pitch + longest + 3  # a few keys past the last sequence's end
+    k, v = rnd(gen, tokens, hk, d), rnd(gen, tokens, hk, d)
+    ends = [longest + 1 + b * pitch for b in range(nb)]
+    starts = [e - n for e, n in zip(ends, used)]
+    keep = torch.zeros(tokens, dtype=torch.bool)
+    for a, e in zip(starts, ends):
+        keep[a:e] = True
+    k[~keep], v[~keep] = NAN, NAN
+    q = rnd(gen, nb * sq, h, d)
+    p = params(d, causal=opts.get("causal", False), window=opts.get("window", (-1, -1)),
+               softcap=opts.get("softcap", 0.0))
+    sink = torch.randn(h, generator=gen, dtype=torch.float64) if sinks else None
+    out, lse = fwd(q, k, v, p, cu_seqlens_q=cu([sq] * nb),
+                   cu_seqlens_k=torch.tensor(starts + [tokens], dtype=torch.int32),
+                   seqused_k=torch.tensor(used, dtype=torch.int32), max_seqlen_q=sq, max_seqlen_k=longest,
+                   learnable_sink=sink)
+    for b, (a, e) in enumerate(zip(starts, ends)):
+        rows = slice(b * sq, (b + 1) * sq)
+        ref_out, ref_lse = R.attention_naive(q[rows][None].numpy(), k[a:e][None].numpy(), v[a:e][None].numpy(),
+                                             learnable_sink=None if sink is None else sink.numpy(), **ref_options(p))
+        assert_close64(f"out[{b}]", out[rows][None], ref_out)
+        assert_close64(f"lse[{b}]", lse[:, rows][None], ref_lse)
+
+
 # -------------------------------------------------------------------------- gradcheck
 
 

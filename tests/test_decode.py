@@ -279,6 +279,47 @@ def test_cache_leftpad_reads_only_from_the_start(device, num_splits):
         assert_within(f"lse[{b}]", lse[b:b + 1], plain_lse, ref_lse)
 
 
+CACHE_LAYOUTS = {  # how (batch, slots, nheads_k, headdim) caches lie in memory
+    "contiguous": lambda t: t.contiguous(),
+    "heads first": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # transformers' caches
+    "k heads first, v contiguous": None,  # rows of k and v a different number of slots apart: copied
+}
+
+
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+@pytest.mark.parametrize("batch_idx", [False, True])
+def test_cache_leftpad_in_any_layout(device, layout, batch_idx):
+    """cache_leftpad over caches in transformers' (batch, nheads_k, slots, headdim) order, read as
+    packed keys in place (views of the caches' storage), or in two layouts whose rows cannot share
+    one numbering (then copied): the same numbers as a contiguous cache, bit for bit, with the
+    padding slots NaN; also rows picked from a larger cache by cache_batch_idx."""
+    from tileattn.ops import kvcache
+
+    gen = torch.Generator().manual_seed(30)
+    rows, slots = 4, 24
+    k, v = torch.randn(rows, slots, 2, 32, generator=gen), torch.randn(rows, slots, 2, 32, generator=gen)
+    pads, lens = torch.tensor([0, 7, 20], dtype=torch.int32), torch.tensor([24, 19, 22], dtype=torch.int32)
+    idx = torch.tensor([3, 0, 2], dtype=torch.int32) if batch_idx else None
+    for b, r in enumerate(idx.tolist() if batch_idx else range(3)):
+        k[r, :pads[b]], v[r, :pads[b]] = float("nan"), float("nan")
+    if not batch_idx:
+        k, v = k[:3], v[:3]
+    q = torch.randn(3, 1, 8, 32, generator=gen)
+    if layout == "k heads first, v contiguous":
+        k_cache, v_cache = CACHE_LAYOUTS["heads first"](k), v.contiguous()
+    else:
+        k_cache, v_cache = CACHE_LAYOUTS[layout](k), CACHE_LAYOUTS[layout](v)
+    opts = dict(cache_seqlens=lens.to(device), cache_leftpad=pads.to(device), causal=True, window_size=(9, 9),
+                cache_batch_idx=None if idx is None else idx.to(device))
+    got = tileattn.flash_attn_with_kvcache(q.to(device), k_cache.to(device), v_cache.to(device), **opts)
+    want = tileattn.flash_attn_with_kvcache(q.to(device), k.to(device), v.to(device), **opts)
+    assert torch.equal(got, want) and not got.isnan().any()
+    k_tokens, v_tokens = kvcache.as_tokens(k_cache, v_cache, kvcache._token_pitch(k_cache, v_cache))
+    shares = [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+              for a, b in ((k_tokens, k_cache), (v_tokens, v_cache))]
+    assert shares == ([False, True] if layout == "k heads first, v contiguous" else [True, True])  # k flattened: a copy
+
+
 def test_cache_leftpad_at_the_length_leaves_no_key(device):
     """A sequence padded up to its length sees no key: output 0, LSE -inf, no NaN from the pad."""
     gen = torch.Generator().manual_seed(29)

@@ -78,6 +78,49 @@ def test_plan_over_an_fp8_cache(device, paged):
         tileattn.DecodePlan(*fp8[0][:3], lens, table, seqlen_new=1, causal=True)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("seqlen_new", [0, 1])
+def test_plan_with_cache_leftpad_runs_each_layer_as_flash_attn_with_kvcache(device, sinks, seqlen_new):
+    """Left-padded rows over caches in transformers' (batch, nheads_k, slots, headdim) order (slots
+    before the pad NaN), each layer with its own sinks: the plan's runs equal
+    flash_attn_with_kvcache's calls bit for bit, appends included."""
+    gen = torch.Generator().manual_seed(84)
+    batch, slots, dtype = 3, 24, torch.float16
+    pads = torch.tensor([0, 7, 15], dtype=torch.int32).to(device)
+    lens = torch.tensor([20, 19, 23 - seqlen_new], dtype=torch.int32).to(device)
+    layers = []
+    for _ in range(2):
+        kv = [torch.randn(batch, 2, slots, 32, generator=gen).to(dtype) for _ in range(2)]
+        for t in kv:
+            for b in range(batch):
+                t[b, :, :pads[b]] = float("nan")
+        new = [torch.randn(batch, seqlen_new, 2, 32, generator=gen).to(dtype) for _ in range(2)]
+        sink = torch.randn(4, generator=gen) if sinks else None
+        layers.append([x if x is None else x.to(device) for x in
+                       (torch.randn(batch, 1, 4, 32, generator=gen).to(dtype), *(t.transpose(1, 2) for t in kv),
+                        *new, sink)])
+    opts = dict(causal=True, window_size=(11, 11), cache_leftpad=pads)
+    q, k_cache, v_cache, _, _, sink = layers[0]
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, seqlen_new=seqlen_new, return_softmax_lse=True,
+                               learnable_sink=sink, **opts)
+    for q, k_cache, v_cache, k_new, v_new, sink in layers:
+        new = dict(k=k_new, v=v_new) if seqlen_new else {}
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, cache_seqlens=lens, return_softmax_lse=True,
+                                                learnable_sink=sink, **new, **opts)
+        got = plan.run(q, k_cache, v_cache, learnable_sink=sink, **new)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert not got[0].isnan().any()
+        torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    if sinks:
+        with pytest.raises(ValueError, match="pass each layer's"):
+            plan.run(q, k_cache, v_cache, **new)
+    else:
+        with pytest.raises(ValueError, match="without learnable_sink"):
+            plan.run(q, k_cache, v_cache, learnable_sink=torch.zeros(4, device=device), **new)
+
+
 def test_plan_rejects_a_layer_it_was_not_made_for():
     gen = torch.Generator().manual_seed(82)
     lens, _, layers = _layers(gen, 1, 2, 32, False, "cpu", torch.float32)

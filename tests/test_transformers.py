@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from tolerance import GRAD_FACTOR, assert_within
+from tileattn import reference as R
+from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -285,24 +286,163 @@ def test_segmented_padding_equals_unpadding(cpu_backend, left):
     torch.testing.assert_close(segmented[real_queries], exact[real_queries], rtol=0, atol=1e-6)
 
 
+class _Counted:
+    """Calls of some of the integration's helpers, counted (monkeypatched in ``count_calls``)."""
+
+    def __init__(self, monkeypatch, *names):
+        self.calls = dict.fromkeys(names, 0)
+        for name in names:
+            monkeypatch.setattr(tt, name, self._counting(name, getattr(tt, name)))
+
+    def _counting(self, name, f):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return f(*args, **kwargs)
+        return counted
+
+
 def test_a_decoding_step_reads_its_mask_once(cpu_backend, monkeypatch):
-    """Every layer of a step gets the same mask tensor: its packing (host reads, nonzero, offsets)
-    is worked out once and reused, and worked out again for another mask or after an in-place
-    change of this one (its version counter)."""
+    """Every layer of a step gets the same mask tensor: where its rows' real keys lie is read on the
+    host once and reused, and read again for another mask or after an in-place change of this one
+    (its version counter); so is the packing of a mask off the decoding route."""
     gen = torch.Generator().manual_seed(23)
     q, k, v = (torch.randn(3, n, h, 16, generator=gen) for n, h in ((1, 4), (9, 2), (9, 2)))
     _, mask = batch_with_padding(20, [9, 4, 6], left=True)
     options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
-    reads = []
-    real_keys = tt._real_keys
-    monkeypatch.setattr(tt, "_real_keys", lambda *a: reads.append(1) or real_keys(*a))
+    counted = _Counted(monkeypatch, "_Runs", "_real_keys")
     first = tt._padded_attention(q, k, v, mask, options)
     second = tt._padded_attention(q, k, v, mask, options)  # the next layer
-    assert len(reads) == 1 and torch.equal(first, second)
+    assert counted.calls == {"_Runs": 1, "_real_keys": 0} and torch.equal(first, second)
     mask[1, 8] = 0  # row 1's last token (the query) becomes padding, in place
     changed = tt._padded_attention(q, k, v, mask, options)
-    assert len(reads) == 2 and torch.equal(changed[1], torch.zeros_like(changed[1]))
-    assert torch.equal(tt._padded_attention(q, k, v, mask.clone(), options), changed) and len(reads) == 3
+    assert counted.calls == {"_Runs": 2, "_real_keys": 1} and torch.equal(changed[1], torch.zeros_like(changed[1]))
+    assert torch.equal(tt._padded_attention(q, k, v, mask.clone(), options), changed)
+    assert counted.calls == {"_Runs": 3, "_real_keys": 2}
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def _hf_inputs(gen, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim=16):
+    """q (batch, nheads, seqlen_q, headdim), k, v (batch, nheads_k, seqlen_k, headdim): the layouts
+    transformers hands over (its caches are contiguous in that order)."""
+    return (torch.randn(batch, nheads, seqlen_q, headdim, generator=gen),
+            *(torch.randn(batch, nheads_k, seqlen_k, headdim, generator=gen) for _ in range(2)))
+
+
+def _assert_rows_exact(out, q, k, v, keys_real, *, scaling, window, softcap, sinks=None):
+    """Each row's real queries (among the last seqlen_q key slots: with left padding, a tail of
+    them) against the float64 reference over the row's real keys alone, by the tolerance rule
+    (plain float32 attention sets the budget); padded query rows must be 0."""
+    seqlen_q, width = q.shape[2], keys_real.shape[1]
+    opts = dict(softmax_scale=scaling, causal=True, window_size=(window - 1, window - 1) if window else (-1, -1),
+                softcap=softcap or 0.0)
+    for b in range(q.shape[0]):
+        queries = keys_real[b, width - seqlen_q:]
+        n = int(queries.sum())
+        assert queries[seqlen_q - n:].all(), "real queries must be the last ones: the reference below needs it"
+        assert torch.equal(out[b, :seqlen_q - n], torch.zeros_like(out[b, :seqlen_q - n]))
+        if n == 0:
+            continue
+        qb = q[b:b + 1, :, seqlen_q - n:].transpose(1, 2)  # (1, n, nheads, headdim)
+        kb, vb = (x[b:b + 1, :, keys_real[b]].transpose(1, 2) for x in (k, v))
+        ref, _ = R.attention_naive(qb.double().numpy(), kb.double().numpy(), vb.double().numpy(),
+                                   learnable_sink=None if sinks is None else sinks.double().numpy(), **opts)
+        plain, _ = plain_attention(qb, kb, vb, learnable_sink=sinks, **opts)
+        assert_within(f"row {b}", out[b:b + 1, seqlen_q - n:], plain, ref)
+
+
+DECODE_CASES = {  # (nheads, nheads_k, seqlen_q, sliding_window, softcap, sinks)
+    "gqa": (4, 2, 1, None, None, False),
+    "mha": (2, 2, 1, None, None, False),
+    "mqa": (4, 1, 1, None, None, False),
+    "sliding window": (4, 2, 1, 5, None, False),
+    "softcap": (4, 2, 1, None, 2.0, False),
+    "sinks": (4, 2, 1, None, None, True),
+    "two new tokens": (4, 2, 2, 6, None, False),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_left_padded_decoding_step_is_exact(device, monkeypatch, case):
+    """A decoding step of a left-padded batch (a row without padding among them) takes the
+    decoding route: no packing or gather (``_unpadded_attention`` never runs), the keys read in
+    place from transformers' layout, whose padding slots hold NaN here, never read; each row
+    equals the float64 reference over its real keys."""
+    nheads, nheads_k, seqlen_q, window, softcap, with_sinks = DECODE_CASES[case]
+    gen = torch.Generator().manual_seed(31)
+    q, k, v = _hf_inputs(gen, 4, seqlen_q, 13, nheads, nheads_k)
+    _, mask = batch_with_padding(32, [9, 13, 2, 5], left=True)
+    keys_real = mask.bool()
+    for t in (k, v):
+        t.masked_fill_(~keys_real[:, None, :, None], float("nan"))
+    sinks = torch.randn(nheads, generator=gen) if with_sinks else None
+    monkeypatch.setattr(tt, "_unpadded_attention", lambda *a: pytest.fail("the decoding step packed its batch"))
+    kwargs = dict(scaling=0.3, sliding_window=window, softcap=softcap, s_aux=sinks)
+    out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, **kwargs)
+    assert out.shape == (4, seqlen_q, nheads, 16)
+    _assert_rows_exact(out, q, k, v, keys_real, scaling=0.3, window=window, softcap=softcap, sinks=sinks)
+    again, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, **kwargs)  # the next layer: same plan
+    assert torch.equal(again, out)
+
+
+OFF_ROUTE_MASKS = {  # rows of width 10; the decoding step's query is the last key slot
+    "a hole": [[0, 0, 1, 1, 0, 1, 1, 1, 1, 1], [1] * 10],
+    "right padding": [[1] * 6 + [0] * 4, [0, 0] + [1] * 8],
+    "padding after the run": [[0, 0, 1, 1, 1, 1, 1, 1, 1, 0], [1] * 10],
+}
+
+
+@pytest.mark.parametrize("name", OFF_ROUTE_MASKS)
+def test_masks_off_the_decoding_route_stay_exact(cpu_backend, monkeypatch, name):
+    """Masks whose real keys are not one run ending at the query (holes, right padding, a padded
+    query) go the packed path, exact for any mask: real rows equal the reference over their real
+    keys, a padded query row is 0."""
+    gen = torch.Generator().manual_seed(33)
+    q, k, v = _hf_inputs(gen, 2, 1, 10, 4, 2)
+    keys_real = torch.tensor(OFF_ROUTE_MASKS[name], dtype=torch.bool)
+    counted = _Counted(monkeypatch, "_unpadded_attention", "DecodePlan")
+    out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, scaling=0.25)
+    assert counted.calls == {"_unpadded_attention": 1, "DecodePlan": 0}
+    _assert_rows_exact(out, q, k, v, keys_real, scaling=0.25, window=None, softcap=None)
+
+
+def test_padded_queries_and_gradients_keep_the_packed_path(cpu_backend, monkeypatch):
+    """A prefill with left padding (padded query rows) and a decoding-shaped call that autograd
+    records (no gradients through a KV cache) both take the packed path, exactly."""
+    gen = torch.Generator().manual_seed(35)
+    _, mask = batch_with_padding(36, [7, 3], left=True)
+    keys_real = mask.bool()
+    counted = _Counted(monkeypatch, "_unpadded_attention", "DecodePlan")
+    q, k, v = _hf_inputs(gen, 2, 7, 7, 4, 2)
+    out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, scaling=0.25)
+    _assert_rows_exact(out, q, k, v, keys_real, scaling=0.25, window=None, softcap=None)
+    q, k, v = (t.requires_grad_() for t in _hf_inputs(gen, 2, 1, 7, 4, 2))
+    out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, scaling=0.25)
+    _assert_rows_exact(out.detach(), q.detach(), k.detach(), v.detach(), keys_real, scaling=0.25, window=None,
+                       softcap=None)
+    out.square().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    assert counted.calls == {"_unpadded_attention": 2, "DecodePlan": 0}
+
+
+def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend, monkeypatch):
+    """generate() on a left-padded batch: the mask of each forward is read on the host once (by
+    the mask function; both layers reuse it), only the prefill packs its batch, and each
+    decoding step makes one plan that both layers run."""
+    model = make_model("llama", seed=37)
+    model.set_attn_implementation("tileattn")
+    ids, mask = batch_with_padding(38, [11, 6, 3], left=True)
+    runs = []
+    run = tt.DecodePlan.run
+    monkeypatch.setattr(tt.DecodePlan, "run", lambda *a, **kw: runs.append(1) or run(*a, **kw))
+    counted = _Counted(monkeypatch, "_Runs", "_pack", "_unpadded_attention", "DecodePlan")
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    layers = model.config.num_hidden_layers
+    assert counted.calls == {"_Runs": 6, "_pack": 1, "_unpadded_attention": layers, "DecodePlan": 5}
+    assert len(runs) == 5 * layers
 
 
 def test_segmented_path_refuses_a_mask_with_holes(cpu_backend):

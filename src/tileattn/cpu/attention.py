@@ -100,15 +100,36 @@ class _Batch:
             return None
         return sq, sk
 
+    def ends_aligned(self):
+        """(Sq, Sk, pitch, first) when the sequences all have Sq queries laid out back to back
+        and their used keys (``seqused_k`` from ``cu_seqlens_k``'s starts) end ``pitch`` tokens
+        apart: then key row b's last Sk keys are tokens first + b * pitch ... + Sk - 1 (Sk the
+        most keys of a sequence, first >= 0), a dense (nb, Sk) view in which sequence b leaves its
+        first Sk - used[b] keys out. A left-padded batch read from a cache is such a batch."""
+        if self.cu_q is None or self.cu_k is None or self.used is None or self.table is not None or self.nbatch < 2:
+            return None
+        cq, nb = self.cu_q, self.nbatch
+        sq = cq[1] - cq[0]
+        ends = [start + n for start, n in zip(self.cu_k, self.used)]
+        pitch, longest = ends[1] - ends[0], max(self.used)
+        if (pitch < 0 or ends[0] < longest or any(cq[b] != cq[0] + b * sq for b in range(2, nb + 1))
+                or any(e != ends[0] + b * pitch for b, e in enumerate(ends))):
+            return None
+        return sq, longest, pitch, ends[0] - longest
+
     def dense(self, x, lengths, keys=False):
         """Packed (T, ...) of a uniform batch -> its (nb, S, ...) view; lengths = uniform()."""
         c0, n = (self.cu_k[0], lengths[1]) if keys else (self.cu_q[0], lengths[0])
-        return x[c0:c0 + self.nbatch * n].view((self.nbatch, n) + x.shape[1:])
+        if c0 or x.shape[0] != self.nbatch * n:
+            x = x[c0:c0 + self.nbatch * n]
+        return x.view((self.nbatch, n) + x.shape[1:])
 
     def dense_lse(self, lse, lengths):
         """Packed LSE (H, Tq) of a uniform batch -> its (nb, H, Sq) view."""
         c0, n = self.cu_q[0], lengths[0]
-        return lse[:, c0:c0 + self.nbatch * n].view(lse.shape[0], self.nbatch, n).transpose(0, 1)
+        if c0 or lse.shape[1] != self.nbatch * n:
+            lse = lse[:, c0:c0 + self.nbatch * n]
+        return lse.view(lse.shape[0], self.nbatch, n).transpose(0, 1)
 
     def rows(self, x, bs):
         """Query-aligned tensor (B, Sq, ...) or packed (Tq, ...) -> (nb, Sq_b, ...) view."""
@@ -346,8 +367,7 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         out4.zero_()
         lse3.copy_(torch.full_like(lse3, float("-inf")) if sink is None else sink.view(1, H, 1).expand_as(lse3))
         return
-    if (num_splits == 1 and slopes is None and params.dropout_p == 0 and 1 <= Sq <= block_m and 1 <= Sk <= block_n
-            and B * H * Sq * Sk <= tile_elems and not _has_empty_rows(params, Sq, Sk)):
+    if _one_tile(params, B, H, Sq, Sk, slopes, num_splits, block_m, block_n, tile_elems):
         _fwd_whole(params, q4, k4, v4, out4, lse3, sink, Sk)
         return
     k4, v4 = k4.narrow(1, 0, Sk), v4.narrow(1, 0, Sk)
@@ -383,19 +403,27 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
     lse3.copy_(lse_buf.view(B, H, Sq))
 
 
-def _has_empty_rows(params: AttnParams, Sq, Sk) -> bool:
-    """Whether some query row sees no key at all (its window lies outside 0 .. Sk - 1). The
+def _one_tile(params: AttnParams, B, H, Sq, Sk, slopes, num_splits, block_m, block_n, tile_elems,
+              leading: int = 0) -> bool:
+    """Whether ``_fwd_whole`` computes this problem (one tile, no ALiBi, dropout or splits, every
+    row sees a key; ``leading``: the most keys a sequence leaves out at the start)."""
+    return (num_splits == 1 and slopes is None and params.dropout_p == 0 and 1 <= Sq <= block_m
+            and 1 <= Sk <= block_n and B * H * Sq * Sk <= tile_elems and not _has_empty_rows(params, Sq, Sk, leading))
+
+
+def _has_empty_rows(params: AttnParams, Sq, Sk, leading: int = 0) -> bool:
+    """Whether some query row sees no key at all (its window lies outside leading .. Sk - 1). The
     window of row i is [i + off - left, i + off + right]: row 0 has the smallest right end,
     row Sq - 1 the largest left end."""
     off = Sk - Sq + params.diag_shift
-    return ((params.window_right >= 0 and off + params.window_right < 0)
+    return (leading >= Sk or (params.window_right >= 0 and off + params.window_right < leading)
             or (params.window_left >= 0 and Sq - 1 + off - params.window_left > Sk - 1))
 
 
 _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
 
 
-def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
+def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk, leading=None):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
     ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the single
     step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
@@ -405,6 +433,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
 
         s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
         out = (p v) / l;            lse = ln(2) m + log l
+
+    ``leading`` (a tuple, one count per sequence) leaves each sequence's first keys out: their
+    scores are set to -inf and their values to 0 in the copy that is multiplied (they may hold
+    anything, NaN included, and 0 x NaN would reach the output).
     """
     (B, Sq, H, D), Hk, Dv = q4.shape, k4.shape[2], v4.shape[-1]
     G, BH, acc, cap = H // Hk, B * Hk, _acc_dtype(q4.dtype), params.softcap
@@ -420,6 +452,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
         s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
     else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
         s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
+    if leading is not None:
+        hidden = _leading_keys(leading, Sk)  # (B, Sk)
+        s.view(B, -1, Sk).masked_fill_(hidden.unsqueeze(1), float("-inf"))
+        vh = vh.view(B, Hk, Sk, Dv).masked_fill(hidden.view(B, 1, Sk, 1), 0.0).view(BH, Sk, Dv)
     off = Sk - Sq + params.diag_shift
     if _needs_mask(params, off, 0, Sq, 0, Sk):
         s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
@@ -435,6 +471,21 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk):
         torch.div(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4),
                   l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4), out=out4.view(B, Sq, Hk, G, Dv))
     torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
+
+
+_LEADING: dict = {}
+
+
+def _leading_keys(leading: tuple, Sk: int) -> torch.Tensor:
+    """(B, Sk) bool, true at the first leading[b] keys of sequence b; kept per (leading, Sk), as
+    every layer of a decoding step asks for the same one."""
+    key = (leading, Sk)
+    hidden = _LEADING.get(key)
+    if hidden is None:
+        if len(_LEADING) >= 64:
+            _LEADING.clear()
+        hidden = _LEADING[key] = torch.arange(Sk) < torch.tensor(leading).unsqueeze(1)
+    return hidden
 
 
 def _by_key_head(x, S: int, keys_last: bool = False):
@@ -485,6 +536,18 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
                    batch.dense(out, lengths), batch.dense_lse(lse, lengths), alibi_slopes, learnable_sink, 0, params,
                    num_splits, block_m, block_n, tile_elems)
         return
+    aligned = None if k_descale is not None else batch.ends_aligned()
+    if aligned is not None:  # keys that end evenly spaced (a left-padded batch): one tile over a dense view
+        Sq, Sk, pitch, first = aligned
+        leading = tuple(Sk - n for n in batch.used)
+        if _one_tile(params, nbatch, q.shape[1], Sq, Sk, alibi_slopes, num_splits, block_m, block_n, tile_elems,
+                     max(leading)):
+            k4, v4 = (x.as_strided((nbatch, Sk, *x.shape[1:]), (pitch * x.stride(0), *x.stride()),
+                                   x.storage_offset() + first * x.stride(0)) for x in (k, v))
+            lengths = (Sq, Sk)
+            _fwd_whole(params, batch.dense(q, lengths), k4, v4, batch.dense(out, lengths),
+                       batch.dense_lse(lse, lengths), learnable_sink, Sk, leading)
+            return
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]
         _fwd_group(batch.rows(q, bs), keys(k, k_descale, bs), keys(v, v_descale, bs), batch.rows(out, bs),

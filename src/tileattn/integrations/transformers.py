@@ -20,11 +20,14 @@ KV caches. What the layer hands over, and what tileattn does with it:
   ``window_size=(w - 1, w - 1)`` (the right bound is cut to 0 by causal), as flash-attn.
 * ``attention_mask``: tileattn registers a mask function too, so the model hands over the
   2-D padding mask (batch, seqlen_k) — or None when nothing is padded; with a static cache,
-  the mask at the cache's fixed width, its unfilled slots marked. Padded batches are
-  unpacked with it (``flash_attn_varlen_func`` over the real tokens only) and re-padded;
-  padded query rows come back as zeros. (Any extra pattern transformers would overlay on a
-  4-D mask — image-token blocks, chunked attention — is not represented: flash-attn does the
-  same.) A 4-D mask passed by the user is refused with an error.
+  the mask at the cache's fixed width, its unfilled slots marked. A decoding step of a
+  left-padded batch (every query real, each row's real keys one run ending at its last query:
+  what ``generate()`` produces) attends through a ``DecodePlan`` with ``cache_leftpad``, made by
+  the step's first layer and run by the others: each row's keys are read in place, nothing
+  gathered. Other padded batches are unpacked with the mask (``flash_attn_varlen_func`` over the
+  real tokens only) and re-padded; padded query rows come back as zeros. (Any extra pattern
+  transformers would overlay on a 4-D mask — image-token blocks, chunked attention — is not
+  represented: flash-attn does the same.) A 4-D mask passed by the user is refused with an error.
 * ``s_aux`` (gpt-oss): a learned sink logit per query head, passed as tileattn's
   ``learnable_sink`` (in float32, or float64 for a float64 model; its gradient flows back to
   the parameter).
@@ -32,8 +35,12 @@ KV caches. What the layer hands over, and what tileattn does with it:
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
   ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
 
-Host synchronisation: in eager mode padding is removed exactly (any mask) by reading the
-mask, as flash-attn's transformers path does. Under ``torch.compile`` nothing is read on the
+Host synchronisation: in eager mode a mask is read on the host once per mask tensor, one copy
+of three counts per row (first real slot, real slots, filled slots), in the mask function (which
+returns None when every key is real); every layer that gets the mask reuses it. A left-padded
+decoding step needs no other read (its plan's lengths come from the counts on the device). Any
+other mask is then removed exactly by reading it once more to pack the real tokens, as
+flash-attn's transformers path does, also once per mask tensor. Under ``torch.compile`` nothing is read on the
 host, so ``fullgraph=True`` traces the model: the mask function keeps the mask, and each
 padded row becomes three segments of one varlen batch (real tokens must form one run per
 row: left or right padding); restarts in ``position_ids`` are not looked for (pass
@@ -48,8 +55,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops._custom import _needs_graph
 from ..ops._validate import vouch
 from ..ops.attention import flash_attn_func
+from ..ops.decode_plan import DecodePlan
 from ..ops.varlen import flash_attn_varlen_func
 
 __all__ = ["NAME", "register", "tileattn_attention_forward", "tileattn_mask"]
@@ -78,8 +87,9 @@ def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
 
     ``attention_mask`` (batch, seen + q_length) marks real tokens. Its last ``kv_length``
     columns are the keys of this forward (a sliding-window cache keeps only the newest ones):
-    returned as bool, or None when every key is real (checked in eager mode only: under
-    torch.compile the mask is kept, since reading it would break the graph).
+    returned as bool, or None when every key is real (checked in eager mode only, by the one host
+    read the layers then reuse, ``_mask_runs``: under torch.compile the mask is kept, since
+    reading it would break the graph).
 
     A static cache has more key slots (``kv_length``) than tokens seen so far, and transformers
     tells its query offset as a tensor. Its mask is returned at the cache's fixed width as
@@ -100,8 +110,8 @@ def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
         slots = torch.arange(kv_length, device=mask.device)
         in_use = slots < torch.as_tensor(filled, device=mask.device)
         return torch.where(in_use, mask, torch.full_like(mask, _NOT_FILLED))
-    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
-        return None
+    if not torch.compiler.is_compiling() and _mask_runs(attention_mask).every_key_real():
+        return None  # read once per mask tensor: the layers that get it reuse what was read
     return attention_mask
 
 
@@ -159,6 +169,10 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
     if torch.compiler.is_compiling():
         keys_real, first_query = _real_keys(attention_mask, q.device, seqlen_q, seqlen_k)
         return _segmented_attention(q, k, v, keys_real, first_query, options)
+    if options["dropout_p"] == 0 and not _needs_graph(q, k, v, options.get("learnable_sink")):
+        plan = _mask_runs(attention_mask).decode_plan(q, k, v, options)
+        if plan is not None:  # every query real, each row's keys one run ending at its last query
+            return plan.run(q, k, v, learnable_sink=options.get("learnable_sink"))
     packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k)
     return _unpadded_attention(q, k, v, packing, options)
 
@@ -188,6 +202,52 @@ def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
     result = compute()
     _LAST[kind] = (source, (version, key), result)
     return result
+
+
+class _Runs:
+    """Where each row's real keys lie in a padding mask (bool, or tileattn_mask's int8 form), read
+    on the host in one copy: per row the first real slot, the count of real slots and the count
+    of filled ones (the mask's width, or the int8 form's slots not marked -1). Kept per mask
+    tensor (``_mask_runs``) with the decoding plans made from it."""
+
+    def __init__(self, attention_mask: torch.Tensor):
+        mask = attention_mask
+        real = mask == 1 if mask.dtype == torch.int8 else mask.to(torch.bool)
+        count = real.sum(1)
+        first = real.to(torch.uint8).argmax(1)  # the first real slot (0 for a row without one)
+        filled = (mask != _NOT_FILLED).sum(1) if mask.dtype == torch.int8 else torch.full_like(count, mask.shape[1])
+        self.tensor = torch.stack([filled, first, count])  # (3, batch) on the mask's device
+        self.filled, self.first, self.count = self.tensor.tolist()
+        self.width, self.plans = mask.shape[1], {}
+
+    def every_key_real(self) -> bool:
+        return all(n == self.width for n in self.count)
+
+    def decode_plan(self, q, k, v, options: dict) -> DecodePlan | None:
+        """A ``DecodePlan`` of these layers' attention when every row's real keys are one run that
+        ends at its last filled slot and holds its seqlen_q queries (left padding at a decoding
+        step): cache_seqlens the filled slots, cache_leftpad the first real one, read in place.
+        None otherwise. Made once per mask, q/k/v layout and options: every layer of the step
+        that has them runs the same plan."""
+        if not self.count or not all(n == f - s and n >= q.shape[1]
+                                     for f, s, n in zip(self.filled, self.first, self.count)):
+            return None
+        sink = options.get("learnable_sink")
+        key = (options["softmax_scale"], options["causal"], options["window_size"], options["softcap"],
+               sink is not None)
+        plan = self.plans.get(key)
+        if plan is None or not plan.fits(q, k, v):
+            lengths = self.tensor[:2].to(device=q.device, dtype=torch.int32)
+            plan = self.plans[key] = DecodePlan(
+                q, k, v, lengths[0], cache_leftpad=lengths[1], softmax_scale=options["softmax_scale"],
+                causal=options["causal"], window_size=options["window_size"], softcap=options["softcap"],
+                learnable_sink=sink)
+        return plan
+
+
+def _mask_runs(attention_mask: torch.Tensor) -> _Runs:
+    """``_Runs`` of a mask, once per mask tensor (tileattn_mask's call and the layers' share it)."""
+    return _reused("runs", attention_mask, (), lambda: _Runs(attention_mask))
 
 
 def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:

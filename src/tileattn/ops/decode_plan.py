@@ -17,7 +17,14 @@ layers run one after the other on the stream, so they share it); ``run`` only co
 layer's tensors with the planned shapes and launches: the append of the new keys (rotated
 when asked) and attention, no host-device synchronisation, so a step can be captured in a
 CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
-planned: ``cache_batch_idx``, ``cache_leftpad`` (use ``flash_attn_with_kvcache``).
+planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
+
+``cache_leftpad`` (batch,) int32, as for ``flash_attn_with_kvcache``: sequence b attends to slots
+cache_leftpad[b] ... of its contiguous cache row (a left-padded batch, as transformers' generate()
+decodes it). The plan works out once the packed offsets that read the slots in place (every
+layer's cache must then have the planned strides: transformers' transposed caches do). With
+``learnable_sink`` (nheads,) fp32, a layer's sinks (their shape, dtype and device are what every
+layer's must have), each ``run`` takes its own layer's sinks.
 
 ``v_cache`` (and each layer's new ``v``) may have a head dim of its own, headdim_v, as for
 ``flash_attn_with_kvcache``; the output has it too. MLA's latent cache, ``v_cache =
@@ -33,7 +40,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .backend import backend_for, backend_name
-from .kvcache import _append, _is_prefix_view
+from .kvcache import _append, _is_prefix_view, as_tokens, check_leftpad, leftpad_offsets, unpack_lse
 
 __all__ = ["DecodePlan"]
 
@@ -51,7 +58,7 @@ class DecodePlan:
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=True, softmax_scale=None, causal=False,
                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, cache_leftpad=None, learnable_sink=None):
         # the checks of flash_attn_with_kvcache, once for the step (the new k, v: in ``run``)
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
         V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
@@ -63,6 +70,9 @@ class DecodePlan:
         paged = block_table is not None
         capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
         cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+        self.pitch = None if cache_leftpad is None else check_leftpad(cache_leftpad, k_cache, v_cache, capacity, paged,
+                                                                      k_descale, batch, q.device)
+        self.sinks = V.check_sink(learnable_sink, q, q.shape[2]) is not None
         # rotary needs new keys to rotate: the check asks only whether there are any
         rotary_len = V.check_rotary(rotary_cos, rotary_sin, k_cache if seqlen_new else None, q.shape[-1], q.device)
         self.params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -70,25 +80,47 @@ class DecodePlan:
         per_token_q = self.params.window_left >= 0 or self.params.window_right >= 0  # causal or local
         self.alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
         V.check_cache_values(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                             rotary_len=rotary_len, rotary_reach=max(seqlen_new, q.shape[1] if per_token_q else 1))
+                             rotary_len=rotary_len, rotary_reach=max(seqlen_new, q.shape[1] if per_token_q else 1),
+                             leftpad=cache_leftpad)
         self.cache_seqlens, self.block_table, self.seqlen_new = cache_seqlens, block_table, seqlen_new
         self.seqused_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+        self.packed = None  # with cache_leftpad: (cu_seqlens_q, cu_seqlens_k, seqused_k) of the packed call
+        if cache_leftpad is not None:
+            self.packed = leftpad_offsets(batch, q.shape[1], k_cache, self.pitch, cache_leftpad, self.seqused_k)
         self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, per_token_q)
         self.return_softmax_lse, self.num_splits, self.capacity = return_softmax_lse, num_splits, capacity
+        self.seqlen_q = q.shape[1]
         q = V.last_dim_contiguous(q)
         self._shapes = self._signature(q, k_cache, v_cache)
         self._new_shapes = {"k": (batch, seqlen_new, *k_cache.shape[2:]), "v": (batch, seqlen_new, *v_cache.shape[2:])}
         self._out_shape = (*q.shape[:-1], v_cache.shape[-1])  # v's head dim
         self._lse_shape = (batch, q.shape[2], q.shape[1])
+        if self.packed is not None:  # q, out and lse as the packed call has them
+            self._out_shape = (batch * q.shape[1], q.shape[2], v_cache.shape[-1])
+            self._lse_shape = (q.shape[2], batch * q.shape[1])
         self._fwd = self._workspace = None
         if backend_name(q.device) == "triton":
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+            q, k, v, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache)
             self._fwd = backend_for(q.device).plan_fwd(
-                q, k_cache, v_cache, out, lse, params=self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
-                max_seqlen_k=capacity, seqused_k=self.seqused_k, block_table=block_table, num_splits=num_splits,
+                q, k, v, out, lse, params=self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=self.seqlen_q, max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
+                num_splits=num_splits, learnable_sink=learnable_sink if self.sinks else None,
                 k_descale=self.descales[0])
             self._workspace = self._fwd.new_workspace(q.device)
+
+    def _operands(self, q, k_cache, v_cache) -> tuple:
+        """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call: its own
+        tensors, or with ``cache_leftpad`` the packed views of them (``kvcache.as_tokens``)."""
+        if self.packed is None:
+            return q, k_cache, v_cache, None, None, self.seqused_k
+        batch, seqlen_q, nheads, headdim = q.shape
+        return (q.reshape(batch * seqlen_q, nheads, headdim), *as_tokens(k_cache, v_cache, self.pitch), *self.packed)
+
+    def fits(self, q, k_cache, v_cache) -> bool:
+        """Whether ``run`` takes these tensors (the shapes, strides, dtype and device planned)."""
+        return self._signature(V.last_dim_contiguous(q), k_cache, v_cache) == self._shapes
 
     @staticmethod
     def _signature(q, k_cache, v_cache) -> tuple:
@@ -97,17 +129,22 @@ class DecodePlan:
         return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
                 v_cache.stride(), k_cache.dtype, v_cache.dtype, _is_prefix_view(v_cache, k_cache))
 
-    def run(self, q, k_cache, v_cache, k=None, v=None):
+    def run(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
         """One layer's attention: out (batch, seqlen_q, nheads, headdim_v), or ``(out, lse)``.
 
         q and the caches must have the shapes, strides, dtype and device the plan was made with;
-        ``k``, ``v`` are the layer's new keys and values when the plan has ``seqlen_new > 0``.
+        ``k``, ``v`` are the layer's new keys and values when the plan has ``seqlen_new > 0``;
+        ``learnable_sink`` the layer's sinks when the plan was made with sinks (and only then).
         """
         q = V.last_dim_contiguous(q)
         if self._signature(q, k_cache, v_cache) != self._shapes:
             V.fail(ValueError, "q, k_cache, v_cache differ from the tensors the plan was made with (shape, strides, "
                                "dtype, device, or whether v_cache is a view of k_cache's leading columns): make a "
                                "new DecodePlan")
+        if (learnable_sink is not None) != self.sinks:
+            V.fail(ValueError, "the plan was made with learnable_sink: pass each layer's" if self.sinks else
+                               "the plan was made without learnable_sink: make one with sinks")
+        sink = V.check_sink(learnable_sink, q, q.shape[2])
         if self.seqlen_new:
             for name, t in (("k", k), ("v", v)):
                 want = self._new_shapes[name]
@@ -120,13 +157,20 @@ class DecodePlan:
                            per_token_q, *self.descales)
         elif k is not None or v is not None:
             V.fail(ValueError, "the plan was made with seqlen_new=0: it appends no k, v")
+        batch, seqlen_q, nheads = q.shape[:3]
+        q, k_cache, v_cache, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache)
         if self._fwd is not None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
-            self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, None, None, self.seqused_k,
-                          self.block_table, self._workspace, k_descale=self.descales[0], v_descale=self.descales[1])
+            self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, cu_q, cu_k, seqused_k,
+                          self.block_table, self._workspace, learnable_sink=sink, k_descale=self.descales[0],
+                          v_descale=self.descales[1])
         else:
-            out, lse = attention(q, k_cache, v_cache, self.params, alibi_slopes=self.alibi, max_seqlen_q=q.shape[1],
-                                 max_seqlen_k=self.capacity, seqused_k=self.seqused_k, block_table=self.block_table,
-                                 num_splits=self.num_splits, k_descale=self.descales[0], v_descale=self.descales[1])
+            out, lse = attention(q, k_cache, v_cache, self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q, max_seqlen_k=self.capacity,
+                                 seqused_k=seqused_k, block_table=self.block_table, num_splits=self.num_splits,
+                                 learnable_sink=sink, k_descale=self.descales[0], v_descale=self.descales[1])
+        if cu_q is not None:
+            out = out.view(batch, seqlen_q, nheads, -1)
+            lse = unpack_lse(lse, batch, seqlen_q) if self.return_softmax_lse else None
         return (out, lse) if self.return_softmax_lse else out

@@ -15,7 +15,9 @@ of each sequence (a cache with more rows than the batch); rows named twice get t
 of either sequence. ``cache_leftpad`` (batch,) int32 says where each sequence's keys
 start in a contiguous cache: sequence b attends to slots cache_leftpad[b] ...
 cache_seqlens[b] + seqlen_new - 1 (the slots before it are padding, never read); causal
-alignment counts from there. It combines with cache_batch_idx and rotary embedding, not
+alignment counts from there. The cache is then read as packed keys in place when its rows are a
+whole number of slot strides apart (contiguous, or transformers' (batch, nheads_k, seqlen,
+headdim) transposed), else copied. It combines with cache_batch_idx and rotary embedding, not
 with a paged cache (NotImplementedError; flash-attn refuses that too).
 
 With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys are rotated
@@ -122,8 +124,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                rotary_interleaved, plan.per_token_q, k_descale, v_descale, plan.backend)
     q = V.last_dim_contiguous(q)
     if cache_leftpad is not None:
-        out, lse = _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, cache_leftpad,
-                                         cache_batch_idx, plan.num_splits, sink)
+        out, lse = _attend_after_leftpad(q, k_cache, v_cache, plan, alibi, seqused_k, cache_leftpad, cache_batch_idx,
+                                         sink, return_softmax_lse)
     else:
         if plan.lane:
             out, lse = plan.lane(q, k_cache, v_cache, alibi, sink, seqused_k, block_table, k_descale, v_descale)
@@ -154,6 +156,7 @@ class _Checked:
     backend: object  # the module backend_for(q.device) returns
     lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
     device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
+    pitch: int | None = None  # with cache_leftpad: the cache rows' token pitch (``check_leftpad``)
 
 
 _CHECKED = Memo()
@@ -175,16 +178,8 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, c
         V.check_int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
         block_table = cache_batch_idx.view(batch, 1)
     capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
-    if cache_leftpad is not None:
-        if paged:
-            raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table); "
-                                      "flash-attn refuses it too")
-        if k_descale is not None:
-            raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a float8_e4m3fn cache")
-        V.check_int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
-        if k_cache.shape[0] * capacity >= 2**31:
-            V.fail(ValueError, f"cache_leftpad needs cache rows x seqlen_cache < 2**31, got {k_cache.shape[0]} x "
-                               f"{capacity}")
+    pitch = None if cache_leftpad is None else check_leftpad(cache_leftpad, k_cache, v_cache, capacity, paged,
+                                                             k_descale, batch, q.device)
     V.check_new_kv(k, v, k_cache, v_cache, batch, dtype=None if k_descale is None else q.dtype)
     new_tokens = 0 if k is None else k.shape[1]
     rotary_len = V.check_rotary(rotary_cos, rotary_sin, k, q.shape[-1], q.device)
@@ -192,29 +187,86 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, c
                            softcap=softcap, dropout_p=0.0)
     per_token_q = params.window_left >= 0 or params.window_right >= 0
     return _Checked(params, V.num_splits(num_splits), capacity, new_tokens, rotary_len,
-                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q, backend_for(q.device))
+                    max(new_tokens, q.shape[1] if per_token_q else 1), per_token_q, backend_for(q.device),
+                    pitch=pitch)
 
 
-def _attend_after_leftpad(q, k_cache, v_cache, params, alibi, seqused_k, leftpad, cache_batch_idx, num_splits,
-                          sink):
-    """Attention over cache slots leftpad[b] .. seqused_k[b] - 1 of each sequence b.
+def check_leftpad(cache_leftpad, k_cache, v_cache, capacity: int, paged: bool, k_descale, batch: int, device) -> int:
+    """The checks of ``cache_leftpad`` that read no values; returns the token pitch its packed
+    keys are read with (``as_tokens``)."""
+    if paged:
+        raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table); "
+                                  "flash-attn refuses it too")
+    if k_descale is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: cache_leftpad with a float8_e4m3fn cache")
+    V.check_int32_vector("cache_leftpad", cache_leftpad, batch, device)
+    pitch = _token_pitch(k_cache, v_cache)
+    if (k_cache.shape[0] - 1) * pitch + capacity >= 2**31:
+        V.fail(ValueError, f"cache_leftpad needs the cache's tokens numbered below 2**31, got {k_cache.shape[0]} rows "
+                           f"{pitch} tokens apart, of {capacity} slots each")
+    return pitch
 
-    The cache is read as packed keys (rows x seqlen_cache of them): sequence b's keys start at
-    row r * seqlen_cache + leftpad[b], r = cache_batch_idx[b] (or b), and number
-    seqused_k[b] - leftpad[b]. q is packed alike, seqlen_q rows per sequence. The varlen kernel
-    then does the rest, with no copy of the cache when its first two dimensions are contiguous.
-    """
+
+def _token_pitch(k_cache, v_cache) -> int:
+    """How many tokens apart consecutive cache rows start in the packed keys of ``as_tokens``: the
+    distance of the rows in slot strides when it is a whole number and the same in both caches
+    (they are then read in place), else the slot count (they are flattened, copied if need be)."""
+    rows, slots = k_cache.shape[:2]
+    if rows > 1:
+        pitches = {c.stride(0) // c.stride(1) if c.stride(1) > 0 and c.stride(0) % c.stride(1) == 0 else None
+                   for c in (k_cache, v_cache)}
+        pitch = pitches.pop()
+        if not pitches and pitch is not None:
+            return pitch
+    return slots
+
+
+def as_tokens(k_cache, v_cache, pitch: int):
+    """The caches (rows, slots, nheads_k, headdim) as packed keys (tokens, nheads_k, headdim) in
+    which slot j of row r is token r * pitch + j (``check_leftpad``'s pitch). Rows ``slots`` apart
+    are flattened (copied if they are not); others are read in place, through views that keep the
+    caches' head and feature strides (the tokens between a row's last slot and the next row's
+    first are other memory of the cache, never read as keys)."""
+    rows, slots = k_cache.shape[:2]
+    if pitch == slots:
+        return k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    tokens = (rows - 1) * pitch + slots
+    return tuple(c.as_strided((tokens, *c.shape[2:]), (c.stride(1), *c.stride()[2:]), c.storage_offset())
+                 for c in (k_cache, v_cache))
+
+
+def leftpad_offsets(batch: int, seqlen_q: int, k_cache, pitch: int, leftpad, seqused_k, cache_batch_idx=None):
+    """(cu_seqlens_q, cu_seqlens_k, seqused_k) int32 of the packed call that attends over cache slots
+    leftpad[b] .. seqused_k[b] - 1 of each sequence b, its keys read from ``as_tokens``: sequence b's
+    keys start at token r * pitch + leftpad[b], r = cache_batch_idx[b] (or b), and number
+    seqused_k[b] - leftpad[b]; its seqlen_q queries are rows b * seqlen_q ... of q packed."""
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=leftpad.device)
+    starts = (rows[:-1] if cache_batch_idx is None else cache_batch_idx) * pitch + leftpad
+    tokens = (k_cache.shape[0] - 1) * pitch + k_cache.shape[1]  # as_tokens' count
+    cu_k = torch.cat([starts, starts.new_full((1,), tokens)])  # only the starts are read
+    return rows * seqlen_q, cu_k, seqused_k - leftpad
+
+
+def unpack_lse(lse, batch: int, seqlen_q: int):
+    """The packed call's lse (nheads, batch * seqlen_q) as (batch, nheads, seqlen_q), contiguous."""
+    return lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1).contiguous()
+
+
+def _attend_after_leftpad(q, k_cache, v_cache, plan: _Checked, alibi, seqused_k, leftpad, cache_batch_idx, sink,
+                          need_lse: bool):
+    """Attention over cache slots leftpad[b] .. seqused_k[b] - 1 of each sequence b; (out, lse), lse
+    None unless ``need_lse``. The cache is read as packed keys (``as_tokens``, ``leftpad_offsets``),
+    q is packed alike, seqlen_q rows per sequence, and the varlen kernel does the rest, with no
+    copy of a cache whose rows are a whole number of slots apart (contiguous, or transformers'
+    (batch, nheads_k, seqlen, headdim) transposed)."""
     batch, seqlen_q, nheads, headdim = q.shape
-    slots = k_cache.shape[1]
-    rows = torch.arange(batch, dtype=torch.int32, device=q.device) if cache_batch_idx is None else cache_batch_idx
-    starts = rows * slots + leftpad
-    cu_k = torch.cat([starts, starts.new_full((1,), k_cache.shape[0] * slots)])  # only the starts are read
-    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    out, lse = attention(q.reshape(batch * seqlen_q, nheads, headdim), k_cache.flatten(0, 1),
-                         v_cache.flatten(0, 1), params, alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                         max_seqlen_q=seqlen_q, max_seqlen_k=slots, seqused_k=seqused_k - leftpad,
-                         num_splits=num_splits, learnable_sink=sink)
-    return out.view(batch, seqlen_q, nheads, -1), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+    k_tokens, v_tokens = as_tokens(k_cache, v_cache, plan.pitch)
+    cu_q, cu_k, used = leftpad_offsets(batch, seqlen_q, k_cache, plan.pitch, leftpad, seqused_k, cache_batch_idx)
+    out, lse = attention(q.reshape(batch * seqlen_q, nheads, headdim), k_tokens, v_tokens, plan.params,
+                         alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q,
+                         max_seqlen_k=k_cache.shape[1], seqused_k=used, num_splits=plan.num_splits,
+                         learnable_sink=sink, backend=plan.backend)
+    return out.view(batch, seqlen_q, nheads, -1), unpack_lse(lse, batch, seqlen_q) if need_lse else None
 
 
 def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, interleaved: bool,
