@@ -29,6 +29,7 @@ Choices made here:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -571,11 +572,16 @@ class FwdPlan:
                  k_descale=k_descale, v_descale=v_descale, combine=False)
 
     def new_workspace(self, device) -> tuple | None:
-        """fp32 buffers for the split partial states (o, lse), or None without splits."""
+        """fp32 buffers for the split partial states (o, lse), or None without splits: contiguous
+        views of one allocation (an eager decoding call pays each allocation on the host), the
+        lse part starting on a 128-byte boundary."""
         if self.workspace_shapes is None:
             return None
-        return (torch.empty(self.workspace_shapes[0], device=device, dtype=torch.float32),
-                torch.empty(self.workspace_shapes[1], device=device, dtype=torch.float32))
+        o_shape, l_shape = self.workspace_shapes
+        o_numel, l_numel = math.prod(o_shape), math.prod(l_shape)
+        start = cdiv(o_numel, 32) * 32
+        buf = torch.empty(start + l_numel, device=device, dtype=torch.float32)
+        return buf[:o_numel].view(o_shape), buf[start:].view(l_shape)
 
     def _use_config(self, config: triton.Config) -> None:
         self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs), config_options(config),
