@@ -18,11 +18,15 @@ larger than needed). Every tileattn call is timed eagerly and replayed from a CU
 Each output is compared with its baseline's (``err``: max |difference|; the fp8 row with the
 bf16 call on the dequantised cache).
 
+* **splits** (only with ``--only splits``): decoding batches, ragged (48 x 8k-32k keys) and uniform
+  (64 x 8k), with the split count forced to 1, 4, 8, 16 beside the rule's: the trade-off of the
+  split rule for per-call lengths (docs/perf-notes.md).
 * **prefix-launch**: the cascade's prefix call alone (64 packed rows x 32 heads over the 16k
   shared keys), from a contiguous cache and from 16- and 256-key pages; on Hopper also the
   cascade's own route there (the Gluon kernel's split partial states, merged by one launch).
 
-    python benchmarks/serving.py [--quick] [--out DIR] [--dry-run] [--smoke] [--only mixed,fp8,prefix,prefix-launch]
+    python benchmarks/serving.py [--quick] [--out DIR] [--dry-run] [--smoke]
+                                 [--only mixed,fp8,prefix,prefix-launch,splits]
 """
 
 from __future__ import annotations
@@ -284,7 +288,50 @@ def gluon_partials(q, k_pool, v_pool, lens, table):
     return run
 
 
-SCENARIOS = {"mixed": mixed, "fp8": fp8, "prefix": prefix, "prefix-launch": prefix_launch}
+def splits(args, rows: Rows, dtype):
+    """The decoding split count (``num_splits``) forced against the rule's (0), on a ragged batch
+    (48 sequences of 8k-32k keys, as the mixed batch's decoding rows) and on a uniform one (64 x
+    8k), from 16-key pages: what the rule for per-call lengths (``RAGGED_WAVES``) gains on the
+    first and costs on the second. The rule's count is in the note."""
+    import torch
+
+    import tileattn
+    from tileattn.gpu import attention as A
+
+    dev = args.device
+    small = args.smoke
+    cases = {"ragged": (3, 40, 90) if small else (48, 8192, 32768),
+             "uniform": (4, 64, 64) if small else (64, 8192, 8192)}
+    for kind, (batch, lo, hi) in cases.items():
+        name = f"{kind} {batch} x {lo}-{hi} keys" if lo < hi else f"{kind} {batch} x {lo} keys"
+        used = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(6)).tolist()
+        gen = torch.Generator(device=dev).manual_seed(6)
+        k, v, table = pool_for(used, dev, dtype, gen)
+        q = torch.randn(batch, 1, NHEADS, HDIM, device=dev, generator=gen).to(dtype)
+        lens = torch.tensor(used, dtype=torch.int32, device=dev)
+        expect = None
+        for count in (0, 1, 4, 8, 16):
+            A.clear_plans()
+
+            def call():
+                return tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                                        num_splits=count)
+
+            impl = f"{name}, splits {count or 'by the rule'}"
+            out = rows.time("splits", impl, call, expect)
+            chosen = [p.num_splits for p in A._PLANS.values()]  # the Triton backend's plans (none on the CPU)
+            if count == 0:
+                expect = out
+                for row in rows.rows:
+                    if row["impl"].startswith(impl) and chosen:
+                        row["note"] = f"the rule's count: {chosen[0]}"
+        nbytes = 2 * sum(used) * NHEADS_K * HDIM * q.element_size()
+        floor, note = common.attempt(lambda: common.read_floor(nbytes, dev))
+        rows.add("splits", f"{name}: read floor", floor and floor * 1e3, note)
+        common.free_cuda()
+
+
+SCENARIOS = {"mixed": mixed, "fp8": fp8, "prefix": prefix, "prefix-launch": prefix_launch, "splits": splits}
 
 
 def summary(rows: Rows) -> None:
@@ -310,7 +357,7 @@ def summary(rows: Rows) -> None:
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
         "--only", default="mixed,fp8,prefix,prefix-launch",
-        help="comma-separated scenarios: mixed, fp8, prefix, prefix-launch"))
+        help="comma-separated scenarios: mixed, fp8, prefix, prefix-launch, splits (not in the default run)"))
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     for s in chosen:
         if s not in SCENARIOS:

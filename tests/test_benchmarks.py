@@ -119,6 +119,15 @@ def test_serving_benchmark_outputs_agree(tmp_path):
     assert checked[("fp8", "paged fp8")] < 2e-2, checked  # bf16 outputs: a few bf16 units apart
 
 
+def test_serving_split_sweep_agrees_with_the_rule(tmp_path):
+    """benchmarks/serving.py --smoke --only splits: every forced split count gives the rule's
+    output on both batches (fp32 on the CPU), and each batch has its read-floor row."""
+    rows = run_smoke("serving.py", tmp_path, extra=("--only", "splits"))
+    forced = [r for r in rows if r["impl"].split(", splits ")[-1] in ("1", "4", "8", "16")]
+    assert len(forced) == 8 and all(float(r["err"]) < FP32_AGREEMENT for r in forced), rows
+    assert sum(r["impl"].endswith("read floor") for r in rows) == 2, rows
+
+
 @pytest.mark.parametrize("layout", [("--tokens", "128"),
                                     ("--varlen", "llama3", "--tokens", "256", "--doc-min", "16", "--doc-max", "128",
                                      "--heads-k-stride", "1")], ids=["zigzag", "llama3"])
