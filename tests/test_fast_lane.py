@@ -1,9 +1,11 @@
 """The fast lane (``tileattn.ops._custom.prepare``, ``tileattn.gpu.prepared``): a kept signature's
 launch decided once, after its first call. It must be taken (counted), give each call's own answer (new values, lengths,
-cache contents, q), leave the calls it cannot serve (gradients, dropout, the CPU tiles, prefill
+cache contents, q), leave the calls it cannot serve (gradients, dropout, prefill
 shapes the Hopper kernel may take) to the full path, and keep every value check.
 
-On the Triton backend: CUDA tensors on a GPU, else CPU tensors in Triton's interpreter."""
+On the Triton backend: CUDA tensors on a GPU, else CPU tensors in Triton's interpreter; without a
+GPU every test that is not about Triton's plans also runs on the CPU tiles, whose lane
+(``tileattn.cpu.prepared``) binds the options and leaves the rest to ``attn_fwd``."""
 
 import pytest
 import torch
@@ -20,15 +22,18 @@ from test_memo import assert_attention
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch):
-    """The Triton kernels (the interpreter without a GPU), value checks on the host, fresh memos."""
+@pytest.fixture(autouse=True, params=["triton", "cpu"] if DEV == "cpu" else ["triton"])
+def backend(request, monkeypatch):
+    """The Triton kernels (the interpreter without a GPU) or, without a GPU, also the CPU tiles
+    (``tileattn.cpu.prepared``: their lane binds the options only); value checks on the host,
+    fresh memos."""
     if DEV == "cpu":
-        monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+        monkeypatch.setenv("TILEATTN_BACKEND", request.param)
     else:
         monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "1")
     kv_ops._CHECKED.clear()
     dense_ops._CHECKED.clear()
+    return request.param
 
 
 def entry(memo):
@@ -171,20 +176,25 @@ def test_dense_lane_new_values_then_grad_then_no_grad():
     assert no_grad.lane.calls == 2
 
 
-def test_dense_dropout_and_cpu_tiles_take_no_lane(monkeypatch):
+def test_dense_dropout_takes_no_lane(backend):
+    """A seed per call: never a lane, on either backend; the same call without dropout gets one,
+    the CPU tiles' (``tileattn.cpu.prepared``) or the Triton backend's."""
     gen = torch.Generator().manual_seed(86)
     q = torch.randn(1, 3, 2, 16, generator=gen).to(DEV)
-    tileattn.flash_attn_func(q, q, q, dropout_p=0.25)  # a seed per call
+    tileattn.flash_attn_func(q, q, q, dropout_p=0.25)
     tileattn.flash_attn_func(q, q, q, dropout_p=0.25)
     assert entry(dense_ops._CHECKED).lane is False
-    if DEV == "cpu":
-        dense_ops._CHECKED.clear()
-        monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
-        tileattn.flash_attn_func(q, q, q)
-        tileattn.flash_attn_func(q, q, q)
-        assert entry(dense_ops._CHECKED).lane is False
+    dense_ops._CHECKED.clear()
+    tileattn.flash_attn_func(q, q, q)
+    tileattn.flash_attn_func(q, q, q)
+    lane = entry(dense_ops._CHECKED).lane
+    assert lane.calls == 1 and type(lane).__module__ == f"tileattn.{'gpu' if backend == 'triton' else 'cpu'}.prepared"
 
 
+TRITON_ONLY = pytest.mark.parametrize("backend", ["triton"], indirect=True)  # the Triton backend's plans
+
+
+@TRITON_ONLY
 def test_prepare_fwd_leaves_what_the_hopper_kernel_may_take():
     """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count) are decided per call
     (environment, alignment): no prepared launch; decoding shapes and caches get one."""
@@ -200,6 +210,7 @@ def test_prepare_fwd_leaves_what_the_hopper_kernel_may_take():
         assert prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts) is not None
 
 
+@TRITON_ONLY
 def test_clear_plans_sends_a_prepared_launch_back_to_attn_fwd(monkeypatch):
     """New tile constants (the tile sweep) come with clear_plans: a lane made before must not keep
     launching the old plan."""
@@ -216,6 +227,7 @@ def test_clear_plans_sends_a_prepared_launch_back_to_attn_fwd(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+@TRITON_ONLY
 def test_an_autotuned_prefill_gets_its_lane_after_the_first_call(monkeypatch):
     """The first call tunes the prefill tile (its plan has no launch before); the lane, prepared
     after that call, launches the tuned one."""

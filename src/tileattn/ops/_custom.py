@@ -221,9 +221,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, params: A
     (a memo entry's, ``_memo``), after a call of them returned (out, lse) (its plan is tuned by
     then): the backend's prepared launch, which takes ``(q, k, v, alibi_slopes, learnable_sink,
     seqused_k, block_table, k_descale, v_descale)`` and returns (out, lse) allocated alike
-    (``gpu.prepared.PreparedFwd``). None where a call must decide per call: under torch.compile,
-    when autograd records the call, on a backend without ``prepare_fwd`` (the CPU tiles) or a
-    call it declines. Dense tensors only."""
+    (``gpu.prepared.PreparedFwd``, ``cpu.prepared.PreparedFwd``). None where a call must decide
+    per call: under torch.compile, when autograd records the call, on a backend without
+    ``prepare_fwd`` or a call it declines. Dense tensors only."""
     prepare_fwd = getattr(backend, "prepare_fwd", None)
     if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
         return None

@@ -11,9 +11,10 @@ the ``TILEATTN_BACKEND`` value and grad mode. Checks of tensor *values* (lengths
 tables) are no part of it and run on every call, as do the checks that return a tensor
 derived from this call's (``check_alibi``, ``check_sink``, ``cache_lengths``, ...).
 
-An entry also keeps what the call's launch needs on the Triton backend (``_custom.prepare``: the
-plan, its arguments, the output shapes; the value check's launch): a later call of the signature
-that needs no autograd graph goes from the key straight to its value checks and that launch.
+An entry also keeps what the call's launch needs (``_custom.prepare``; on the Triton backend the
+plan, its arguments, the output shapes and the value check's launch; on the CPU tiles the bound
+options): a later call of the signature that needs no autograd graph goes from the key straight
+to its value checks and that launch.
 
 A call that cannot be keyed exactly takes the full checks every time: an argument that is a
 tensor subclass (``nn.Parameter`` included), a Python int where a tensor may stand (a length),
