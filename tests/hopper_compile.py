@@ -71,7 +71,7 @@ def compile_launch(fn, args, kwargs):
     """Compile one recorded launch for Hopper, specialised as a real launch would be (pointers
     16-byte aligned, integers equal to 1 folded, integers divisible by 16 marked so)."""
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "debug", "sanitize_overflow") if k in kwargs}
     names = list(inspect.signature(fn.fn).parameters)
     bound = {**dict(zip(names, args)), **kwargs}
     signature, constexprs, attrs = {}, {}, {}
@@ -457,9 +457,15 @@ def record_hopper(launcher, module, name, *args, **kwargs):
     return launches
 
 
+def asserting_check(seqlens, top, leftpad=None, block_table=None, new_tokens=0, block_size=1, num_blocks=0):
+    """The KV cache's device check as the ops layer launches it on a GPU: asserting in the kernel."""
+    check_launcher.CacheCheck(seqlens, top, leftpad, block_table, new_tokens, block_size, num_blocks,
+                              asserting=True)(seqlens, leftpad, block_table)
+
+
 def check_cases():
     """The KV cache's device check: lengths alone, with left pads, with a block table (one
-    program, and a grid of them for a large batch)."""
+    program, and a grid of them for a large batch); each writing its flag and asserting."""
     lens = torch.tensor([3, 40, 7], dtype=torch.int32)
     table = torch.zeros(3, 100, dtype=torch.int32)
     lens64, table64 = torch.full((64,), 900, dtype=torch.int32), torch.zeros(64, 1088, dtype=torch.int32)
@@ -491,8 +497,9 @@ def main() -> int:
     for name, tensors, kwargs in append_cases():
         todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     for name, args, kwargs in check_cases():
-        todo += [(name, *launch) for launch in record_hopper(check_launcher.cache_values_ok, check_launcher,
-                                                             "_cache_check_kernel", *args, **kwargs)]
+        for how, launcher in (("", check_launcher.cache_values_ok), (" asserting", asserting_check)):
+            todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
+                                                                       *args, **kwargs)]
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor

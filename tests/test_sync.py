@@ -211,25 +211,51 @@ def test_device_checks_of_cu_seqlens(device_checks, cu_k, ok):
             call()
 
 
+# (setup, valid arguments, bad arguments) of flash_attn_with_kvcache per case, as source text; the
+# setup makes every tensor (a host-to-device copy under the sync-debug mode would raise)
+_BAD_VALUES = {
+    # one program: a length past the capacity
+    "length": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+               "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+               "good = torch.tensor([3, 32], dtype=torch.int32, device='cuda')\n"
+               "bad = torch.tensor([3, 40], dtype=torch.int32, device='cuda')\n",
+               "q, c, c, cache_seqlens=good", "q, c, c, cache_seqlens=bad"),
+    # one program: a left pad past its sequence's length
+    "leftpad": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                "lens = torch.tensor([3, 20], dtype=torch.int32, device='cuda')\n"
+                "good = torch.tensor([0, 5], dtype=torch.int32, device='cuda')\n"
+                "bad = torch.tensor([0, 21], dtype=torch.int32, device='cuda')\n",
+                "q, c, c, cache_seqlens=lens, cache_leftpad=good", "q, c, c, cache_seqlens=lens, cache_leftpad=bad"),
+    # a grid of programs (64 sequences x 256 pages): a block id past the pool in the last rows
+    "block table": ("q = torch.randn(64, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                    "c = torch.randn(300, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                    "lens = torch.full((64,), 1000, dtype=torch.int32, device='cuda')\n"
+                    "good = torch.arange(64 * 256, dtype=torch.int32, device='cuda').view(64, 256) % 300\n"
+                    "bad = good.clone(); bad[60, 62] = 300\n",
+                    "q, c, c, cache_seqlens=lens, block_table=good", "q, c, c, cache_seqlens=lens, block_table=bad"),
+}
+
+
 @pytest.mark.gpu
-def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion():
-    """In a fresh process (a failed device assertion ends the CUDA context): cache_seqlens past the
-    capacity, no synchronisation in the call, the failure at the next synchronisation. A valid call
-    comes first: a kernel's first launch in a process loads its module, which waits for the device
-    (and would report the failed assertion there, inside the call)."""
+@pytest.mark.parametrize("case", sorted(_BAD_VALUES))
+def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
+    """In a fresh process (a failed device assertion ends the CUDA context): a bad value in the
+    cache's lengths, left pads or block table, no synchronisation in the call, the failure at the
+    next synchronisation, raised by the check kernel's own assertion (its message in the output).
+    A valid call comes first: a kernel's first launch in a process loads its module, which waits
+    for the device (and would report the failed assertion there, inside the call)."""
     import os
     import subprocess
     import sys
 
+    setup, good, bad = _BAD_VALUES[case]
     script = (
-        "import torch, tileattn\n"
-        "q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
-        "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
-        "tileattn.flash_attn_with_kvcache(q, c, c, cache_seqlens=torch.tensor([3, 32], dtype=torch.int32, device='cuda'))\n"
+        "import torch, tileattn\n" + setup +
+        f"tileattn.flash_attn_with_kvcache({good})\n"
         "torch.cuda.synchronize()\n"
-        "lens = torch.tensor([3, 40], dtype=torch.int32, device='cuda')\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
-        "tileattn.flash_attn_with_kvcache(q, c, c, cache_seqlens=lens)\n"
+        f"tileattn.flash_attn_with_kvcache({bad})\n"
         "torch.cuda.set_sync_debug_mode('default')\n"
         "print('CALL RETURNED', flush=True)\n"
         "torch.cuda.synchronize()\n"
@@ -239,3 +265,4 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert "CALL RETURNED" in done.stdout and "NOT REPORTED" not in done.stdout, done.stdout + done.stderr
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
+    assert "tileattn: a KV cache's lengths" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]

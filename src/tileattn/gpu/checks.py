@@ -1,12 +1,13 @@
 """Launcher of the device-side value check of a KV cache (``tileattn.kernels.checks``).
 
 ``cache_values_ok`` returns a one-element boolean tensor on the cache's device without reading
-anything on the host; ``tileattn.ops._validate`` asserts it asynchronously. One launch replaces
-the ~4 (contiguous) to ~10 (paged) elementwise and reduction kernels the same check costs
-written with torch operations. A small batch is one program; a large paged one, a grid of
-programs over its rows, the flag set to true first (``kernels/checks.py``). ``CacheCheck`` is the
-same check with its launch worked out once, for a caller that checks tensors of one signature
-again and again (the ops layer's memo entry of ``flash_attn_with_kvcache``).
+anything on the host. One launch replaces the ~4 (contiguous) to ~10 (paged) elementwise and
+reduction kernels the same check costs written with torch operations. A small batch is one
+program; a large paged one, a grid of programs over its rows, the flag set to true first
+(``kernels/checks.py``). ``CacheCheck`` is the same check with its launch worked out once, for a
+caller that checks tensors of one signature again and again (``tileattn.ops._validate``, and
+the ops layer's memo entry of ``flash_attn_with_kvcache``); with ``asserting`` (CUDA tensors) the
+kernel asserts on the device instead of writing a flag: one launch and no allocation per check.
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ def cache_values_ok(seqlens: torch.Tensor, top: int, *, leftpad=None, block_tabl
 class CacheCheck:
     """``cache_values_ok`` with its launch worked out once: ``check(seqlens, leftpad, block_table)``
     for tensors with the shapes, strides, dtypes and device of those it was made with (the
-    integers and tiles follow from them and from ``top`` ... ``num_blocks``)."""
+    integers and tiles follow from them and from ``top`` ... ``num_blocks``). With ``asserting``
+    a call returns None and a bad value fails a device assertion (compiled in by Triton's
+    ``debug`` option; ``sanitize_overflow`` stays off, so the assertion is the check's own)."""
 
-    __slots__ = ("launch", "grid", "ints", "paged", "one_program")
+    __slots__ = ("launch", "grid", "ints", "paged", "one_program", "asserting")
 
-    def __init__(self, seqlens, top: int, leftpad, block_table, new_tokens: int, block_size: int, num_blocks: int):
+    def __init__(self, seqlens, top: int, leftpad, block_table, new_tokens: int, block_size: int, num_blocks: int,
+                 asserting: bool = False):
         batch = seqlens.shape[0]
         self.paged = paged = block_table is not None and block_table.numel() > 0
         if paged:
@@ -61,16 +65,20 @@ class CacheCheck:
         # the kernel specialises none of its integers (do_not_specialize), and Launch checks their
         # i32 range per call: the dtypes and constexprs alone pick the compiled kernel
         key = (_cache_check_kernel, seqlens.device, seqlens.dtype, leftpad is not None and leftpad.dtype,
-               paged and block_table.dtype, block_b, block_p, programs == 1)
+               paged and block_table.dtype, block_b, block_p, programs == 1, asserting)
         launch = _LAUNCHES.get(key)
         if launch is None:
+            options = dict(num_warps=4, debug=True, sanitize_overflow=False) if asserting else dict(num_warps=4)
             launch = _LAUNCHES[key] = Launch(_cache_check_kernel, dict(HAS_LEFTPAD=leftpad is not None, PAGED=paged,
                                                                        BLOCK_B=block_b, BLOCK_P=block_p,
-                                                                       ONE_PROGRAM=programs == 1),
-                                             dict(num_warps=4))
-        self.launch = launch
+                                                                       ONE_PROGRAM=programs == 1, ASSERT=asserting),
+                                             options)
+        self.launch, self.asserting = launch, asserting
 
-    def __call__(self, seqlens, leftpad, block_table) -> torch.Tensor:
+    def __call__(self, seqlens, leftpad, block_table) -> torch.Tensor | None:
+        if self.asserting:
+            self.launch(self.grid, seqlens, leftpad, block_table if self.paged else None, None, *self.ints)
+            return None
         if self.one_program:
             ok = torch.empty(1, dtype=torch.bool, device=seqlens.device)
         else:  # the programs only clear it

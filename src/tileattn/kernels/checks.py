@@ -1,10 +1,12 @@
 """A KV cache's values checked on the device in one launch: lengths, left pads, block-table entries.
 
 ``tileattn.ops`` validates what a call's tensors hold before attention reads them. For CUDA
-tensors the values are not read on the host (that would synchronise every decoding step);
-this kernel computes one flag, and the caller asserts asynchronously that it is true
-(``torch._assert_async``): a bad value then fails the step at the next synchronisation, as an
-assertion, without a host round trip per call.
+tensors the values are not read on the host (that would synchronise every decoding step):
+with ``ASSERT`` this kernel asserts on the device itself (``tl.device_assert``, compiled in by
+the launch option ``debug``), so a bad value fails the step at the next synchronisation, as
+a device-side assertion, before the kernels queued after it run, with no host round trip and
+no second launch. Without ``ASSERT`` (the interpreter on CPU tensors, and the tests of the
+rule) it writes one flag, which the caller asserts (``torch._assert_async``).
 
 Sequence ``b`` of length ``L = Seqlens[b]`` passes when
 
@@ -15,24 +17,31 @@ Sequence ``b`` of length ``L = Seqlens[b]`` passes when
   ``p`` with ``p * block_size < L + new_tokens``) lies within ``0 .. num_blocks - 1``; entries
   past a sequence's last page are never read, so they may hold anything.
 
-A small batch is one program, which writes the flag. A large paged batch (64 sequences of 1k
-pages: 64k entries) is a grid of programs over its rows, one step each: in one program its
-dependent steps cost 59 µs on the H200, 9 % of the decoding step it guards. The launcher then
-sets the flag to true first and a program that finds a bad value clears it (every such write
-stores the same value, so the order does not matter).
+A small batch is one program. A large paged batch (64 sequences of 1k pages: 64k entries) is a
+grid of programs over its rows, one step each: in one program its dependent steps cost 59 µs on
+the H200, 9 % of the decoding step it guards. Each program then asserts its own rows; for the
+flag the launcher sets it to true first and a program that finds a bad value clears it (every
+such write stores the same value, so the order does not matter).
 """
+
 
 import triton
 import triton.language as tl
+
+# what a failed device assertion prints (CUDA reports only that an assertion failed)
+ASSERT_MESSAGE = tl.constexpr("tileattn: a KV cache's lengths, left pads or block-table entries are out of range "
+                              "(rerun with TILEATTN_DEBUG_CHECKS=1 for the exact check)")
 
 
 @triton.jit(do_not_specialize=["batch", "rows_per_program", "pages", "stride_s", "stride_l", "stride_tb", "stride_tp", "top",
                                "new_tokens", "block_size", "num_blocks"])
 def _cache_check_kernel(Seqlens, Leftpad, BlockTable, Ok, batch, rows_per_program, pages, stride_s, stride_l, stride_tb, stride_tp, top,
                         new_tokens, block_size, num_blocks, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr,
-                        BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, ONE_PROGRAM: tl.constexpr):
-    """``Ok[0]`` = every sequence passes (module docstring): rows ``rows_per_program`` per
-    program, ``BLOCK_B`` of them per step. Only the entries of pages in use are read."""
+                        BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+                        ASSERT: tl.constexpr):
+    """``Ok[0]`` = every sequence passes, or with ``ASSERT`` a device assertion of it (module
+    docstring): rows ``rows_per_program`` per program, ``BLOCK_B`` of them per step. Only the
+    entries of pages in use are read."""
     n_bad = 0
     first = tl.program_id(0) * rows_per_program
     for b0 in range(first, tl.minimum(first + rows_per_program, batch), BLOCK_B):
@@ -53,7 +62,9 @@ def _cache_check_kernel(Seqlens, Leftpad, BlockTable, Ok, batch, rows_per_progra
                 ids = tl.load(row_ptrs + cols[None, :] * stride_tp, mask=used, other=0)  # [BLOCK_B, BLOCK_P]
                 wrong = ((ids < 0) | (ids >= num_blocks)) & used
                 n_bad += tl.sum(tl.sum(wrong.to(tl.int32), axis=1), axis=0)
-    if ONE_PROGRAM:
+    if ASSERT:
+        tl.device_assert(n_bad == 0, ASSERT_MESSAGE)
+    elif ONE_PROGRAM:
         tl.store(Ok, n_bad == 0)
     elif n_bad > 0:  # Ok was set to true before the launch
         tl.store(Ok, False)

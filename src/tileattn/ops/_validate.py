@@ -616,8 +616,9 @@ def _check_extent(lo: int, hi: int, new_tokens: int, capacity: int, rotary_len, 
 
 def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
                            rotary_reach, table_name, leftpad, lengths_name, kept) -> None:
-    """``check_cache_values`` in one kernel on the device (``gpu.checks``) and one asynchronous
-    assertion."""
+    """``check_cache_values`` in one kernel on the device (``gpu.checks``): on a GPU the kernel
+    asserts itself; on CPU tensors (Triton's interpreter) it writes a flag, asserted here with
+    the check's message."""
     check = None if kept is None else kept.device_check
     if check is None:
         from ..gpu.checks import CacheCheck
@@ -625,12 +626,12 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
         top = capacity - new_tokens
         if rotary_len is not None:
             top = min(top, rotary_len - rotary_reach)
-        check = CacheCheck(seqlens, top, leftpad, block_table, new_tokens, block_size, num_blocks)
+        check = CacheCheck(seqlens, top, leftpad, block_table, new_tokens, block_size, num_blocks,
+                           asserting=seqlens.is_cuda)
         if kept is not None:
             kept.device_check = check
     ok = check(seqlens, leftpad, block_table)
-    if ok.is_cuda:  # a device assertion carries no message: none is built on the decoding path
-        assert_on_device(ok, "")
+    if ok is None:  # asserted by the kernel
         return
     what = f"{lengths_name} (+ {new_tokens} new tokens) must lie within 0..{capacity}"
     if rotary_len is not None:
