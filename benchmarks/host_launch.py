@@ -17,8 +17,8 @@ device-side value check's launch and assertion, the append, the launcher) for th
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
 and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
-as they do on a GPU (``value_mode`` "device"); the assertion is made on a true flag, since the
-stand-in check kernel writes nothing. overhead.py times whole calls on the GPU.
+as they do on a GPU (``value_mode`` "device"; the cache check asserting in its kernel); the
+other asynchronous assertions are made on a true flag, since stand-in kernels write nothing. overhead.py times whole calls on the GPU.
 
     python benchmarks/host_launch.py [--calls 2000] [--repeat 7]
 """
@@ -162,6 +162,14 @@ def main():
     os.environ["TILEATTN_BACKEND"] = "triton"
     C._cache_check_kernel, KV._append_kv_kernel = _Kernels(C._cache_check_kernel), _Kernels(KV._append_kv_kernel)
     _validate.value_mode = lambda t: "device"
+
+    class Asserting(C.CacheCheck):  # the cache check as on a GPU: asserting in its kernel, no flag
+        __slots__ = ()
+
+        def __init__(self, *args, asserting=False):
+            super().__init__(*args, asserting=True)
+
+    C.CacheCheck = Asserting
     true = torch.ones(1, dtype=torch.bool)
     _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
     print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}")
