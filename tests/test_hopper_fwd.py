@@ -245,3 +245,31 @@ def test_hopper_partials_over_a_paged_pool(head_dim, page, group, prefix_len, ro
     plain_out, plain_lse = plain_attention(q, keys[None], values[None])
     assert_within("out", out, plain_out, ref_out)
     assert_within("lse", lse, plain_lse, ref_lse)
+
+
+@pytest.mark.parametrize("group", [1, 2, 5])
+def test_hopper_work_order_by_groups(monkeypatch, group):
+    """The work order of unequal items (causal), taking ``group`` (sequence, head) pairs at a time
+    (``_order_group``): 3 x 4 = 12 pairs, so groups of 5 leave a last group of 2. Each item's
+    arithmetic does not depend on the order: the output is bitwise that of one pair at a time."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    per_head = 700 * 2 * 128 * 2  # keys and values of one head, bf16
+    monkeypatch.setattr(hopper, "ORDER_L2_BYTES", per_head * group)
+    assert hopper._order_group(torch.empty(3, 700, 4, 128, dtype=torch.bfloat16),
+                               torch.empty(3, 700, 4, 128, dtype=torch.bfloat16), 700, 4, 12) == group
+    out, lse = _run(group, 3, 700, 700, 4, 4, 128, torch.bfloat16, causal=True)
+    monkeypatch.setattr(hopper, "ORDER_L2_BYTES", 0)
+    again, lse_again = _run(group, 3, 700, 700, 4, 4, 128, torch.bfloat16, causal=True)
+    assert torch.equal(out, again) and torch.equal(lse, lse_again)
+
+
+def test_work_order_groups_only_short_keys():
+    """The rule: a group of fewer than ORDER_MIN_GROUP pairs becomes one pair at a time."""
+    from tileattn.gpu import hopper
+
+    kv = lambda s, h, d=128: torch.empty(1, s, h, d, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    assert hopper._order_group(kv(2048, 16), kv(2048, 16), 2048, 16, 128) == 24  # 1 MB a head
+    assert hopper._order_group(kv(16384, 16), kv(16384, 16), 16384, 16, 16) == 1  # 8 MB a head: groups of 3
+    assert hopper._order_group(kv(8192, 4, 64), kv(8192, 4, 64), 8192, 32, 64) == 64  # GQA 8: heads share keys

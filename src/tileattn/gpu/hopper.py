@@ -32,6 +32,12 @@ __all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "hopper_partials_reason", "ho
 HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
+# The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
+# values fit ORDER_L2_BYTES (about half the L2), heaviest blocks first across a group; a group of
+# fewer than ORDER_MIN_GROUP pairs keeps one pair at a time. Measured on the H200, causal, 16k
+# tokens a batch (docs/perf-notes.md, 2026-12-01 05:20): groups of 12-48 pairs +1.6 to +3.7 %
+# (hdim 128 at 2k-4k, hdim 64 at 2k-8k); groups of 3-6: -4.6 to +0.8 %.
+ORDER_L2_BYTES, ORDER_MIN_GROUP = 24 << 20, 12
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
 # Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
 # query rows (per sequence) sent there; causal means no window beyond causality, not causal no
@@ -197,11 +203,21 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
         # Items of unequal cost (causal diagonal, windows, packed lengths): one program per item,
         # so the hardware's block scheduler balances them. A static round-robin over one program
         # per SM measured 435 against 625 TFLOP/s at hdim 128, causal, 16k (docs/perf-notes.md).
-        programs = works
+        programs, group = works, _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
     else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
-        programs = min(works, _sms(q))
+        programs, group = min(works, _sms(q)), 1
     _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
-                learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, group=group)
+
+
+def _order_group(k, v, seqlen_k: int, nheads: int, heads: int) -> int:
+    """How many (sequence, head) pairs the kernel's work order takes at a time (``_work`` of
+    kernels/attn_fwd_hopper.py: heaviest blocks first across a group): as many as keep the keys
+    and values they read within ``ORDER_L2_BYTES`` (query heads of one KV head share them), or
+    1 where that is fewer than ``ORDER_MIN_GROUP``."""
+    per_head = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size() * k.shape[-2] // nheads
+    group = min(heads, ORDER_L2_BYTES // max(per_head, 1))
+    return group if group >= ORDER_MIN_GROUP else 1
 
 
 def _sms(q) -> int:
@@ -210,7 +226,7 @@ def _sms(q) -> int:
 
 def _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs,
                 block_n, stages, *, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-                block_table=None, qpack=1, num_splits=1, tiles_per_split=2**30) -> None:
+                block_table=None, qpack=1, num_splits=1, tiles_per_split=2**30, group=1) -> None:
     """The one launch of the Gluon forward: descriptors, integer arguments, flags. q, k, v are 4-D
     (batch, seqlen, heads, dim), k and v the pool (num_blocks, page, heads_k, dim) with
     ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split) and (batch,
@@ -229,7 +245,7 @@ def _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params: AttnParams, bat
     v_desc = _descriptor(v, (1, kv_rows, 1, head_dim))
     table = (block_table.stride(0), block_table.shape[1]) if block_table is not None else (0, 0)
     args = (q_desc, k_desc, v_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-            *o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split,
+            *o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group,
             params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
     launch_gluon(_attn_fwd_hopper_kernel, (programs, 1, 1), args, dict(
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,

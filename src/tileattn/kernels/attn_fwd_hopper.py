@@ -117,18 +117,24 @@ def _sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, IS_VARLEN: gl.const
 @gluon.jit
 def _work(w, geom, GROUP: gl.constexpr, QPACK: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
           HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Work item ``w`` of the grid: query block ``num_m_blocks - 1 - w % num_m_blocks`` (heaviest
-    causal blocks first; in packed rows, ``QPACK`` per query) of key split ``(w // num_m_blocks) %
-    num_splits`` of work head ``h`` (a query head, or with ``QPACK`` a group of them). Every
-    partition calls this and walks the same items. Returns (b, h, hk, split, m_start, q_start,
-    k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid); a packed sequence shorter than the
-    block's start is not valid, a split past its sequence's keys has no tiles."""
+    """Work item ``w`` of the grid: a query block (in packed rows, ``QPACK`` per query) of one key
+    split of one work head ``h`` (a query head, or with ``QPACK`` a group of them). The (sequence,
+    head, split) triples are taken ``group`` at a time; within a group the items run heaviest
+    causal blocks first across its triples (block ``num_m_blocks - 1`` of each, then the next),
+    so the grid's last items are light ones, and ``group`` is small enough for the group's keys
+    and values to stay in L2. Every partition calls this and walks the same items. Returns (b, h,
+    hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid); a packed
+    sequence shorter than the block's start is not valid, a split past its sequence's keys has
+    no tiles."""
     CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits, \
-        tiles_per_split = geom
+        tiles_per_split, group = geom
     heads = nheads // QPACK
     num_m_blocks = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG)
-    m_start = (num_m_blocks - 1 - w % num_m_blocks) * (2 * ROWS_WG)
-    rest = w // num_m_blocks
+    first = w // (group * num_m_blocks) * group  # the group's first triple
+    size = gl.minimum(group, batch * heads * num_splits - first)  # the last group may be smaller
+    r = w - first * num_m_blocks
+    m_start = (num_m_blocks - 1 - r // size) * (2 * ROWS_WG)
+    rest = first + r % size
     split = rest % num_splits
     bh = rest // num_splits
     b = bh // heads
@@ -345,7 +351,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Si
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, stride_tb, table_len,
-    batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, scale_log2, window_left, window_right,
+    batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -389,7 +395,7 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
     geom = (CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits,
-            tiles_per_split)
+            tiles_per_split, group)
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os, stride_oh,
                      stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN,
