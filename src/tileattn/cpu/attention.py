@@ -31,7 +31,7 @@ in a fixed order, so gradients are bitwise reproducible. Extra memory: fp32 (fp6
 float64 inputs) copies of q, k, v, out-sized buffers, i.e. O(N * D), plus score tiles of
 at most ``tile_elems`` elements; never N x N.
 
-The tiles keep scores in log2 units (``scale * log2(e)`` is folded into the copy of q, or
+The code keeps scores in log2 units (``scale * log2(e)`` is folded into the copy of q, or
 ``cap * log2(e)`` into the softcap and ``log2(e)`` into the alibi slopes) and uses ``exp2``,
 which torch evaluates several times faster than ``exp`` on CPUs; the stored lse is
 ``ln(2) * m + log l``. Score tiles are written into reused buffers, and the backward's
@@ -40,8 +40,7 @@ batched matmuls run fastest.
 
 A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
 all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
-torch calls, as their Python and dispatch cost more than the arithmetic there (one softmax call,
-in natural-log units, does the shift, exponentials, sum and division). Every other
+torch calls, as their Python and dispatch cost more than the arithmetic there. Every other
 problem, one tile or many, runs the tiled recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
@@ -348,13 +347,12 @@ def _fwd_range(T: _Tiles, q_t, kc, vc, t0, i0, i1, lo, hi):
     return o.div_(l.clamp_(min=torch.finfo(T.acc).tiny).unsqueeze(-1)), lse
 
 
-def _add_sink(o, lse, sink):
-    """Merge the sink states (out 0, lse sink_h) into o (B, H, Sq, X) and lse (B, H, Sq), in place:
-    o's rows are scaled by their share exp(lse - lse') of the new denominator (o may be the
-    output or the probabilities that make it)."""
-    lse_new = torch.logaddexp(lse, sink.to(lse.dtype).view(-1, 1))  # sink [H, 1] over (B, H, Sq)
-    o.mul_((lse - lse_new).exp_().unsqueeze(-1))  # exp(-inf) = 0 where the row saw no key
-    lse.copy_(lse_new)
+def _add_sink(o_buf, lse_buf, sink, B):
+    """Merge the sink states (out 0, lse sink_h) into o_buf [B*H, Sq, Dv], lse_buf [B*H, Sq], in place."""
+    sink_bh = sink.to(lse_buf.dtype).repeat(B).unsqueeze(-1)  # [B*H, 1]
+    lse_new = torch.logaddexp(lse_buf, sink_bh)
+    o_buf.mul_((lse_buf - lse_new).exp_().unsqueeze(-1))  # exp(-inf) = 0 where the row saw no key
+    lse_buf.copy_(lse_new)
 
 
 def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, block_m, block_n, tile_elems,
@@ -400,7 +398,7 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
             _scatter_q(o_buf, o.reshape(t1 - t0, -1, Dv), t0, t1, T.G, i0, i1)
             _scatter_q(lse_buf, lse.reshape(t1 - t0, -1), t0, t1, T.G, i0, i1)
     if sink is not None:
-        _add_sink(o_buf.view(B, H, Sq, Dv), lse_buf.view(B, H, Sq), sink)
+        _add_sink(o_buf, lse_buf, sink, B)
     out4.copy_(o_buf.view(B, H, Sq, Dv).transpose(1, 2))
     lse3.copy_(lse_buf.view(B, H, Sq))
 
@@ -431,11 +429,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
     step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
     Python and dispatch than in arithmetic here). The q, k, v views go to the batched matmuls
     as they are (bmm takes their strides), the window is one add of a cached ``_window_bias``,
-    and torch's softmax does the shift, exponentials, sum and division in one call; the largest
-    probability of a row, exp(m - m) / l, gives its lse (natural-log units throughout)::
+    and the division by l writes (and casts) straight into ``out``::
 
-        s = scale q k^T (window: -inf);  m = rowmax(s);  p = softmax(s);  lse = m - log rowmax(p)
-        sinks: lse' = logaddexp(lse, sink_h), p *= exp(lse - lse');   out = p v
+        s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
+        out = (p v) / l;            lse = ln(2) m + log l
 
     ``leading`` (a tuple, one count per sequence) leaves each sequence's first keys out: their
     scores are set to -inf and their values to 0 in the copy that is multiplied (they may hold
@@ -456,9 +453,9 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
     if q4.dtype != acc:
         qh, kh, vh = qh.to(acc), kh.to(acc), vh.to(acc)
     if cap > 0:
-        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap)
-    else:  # [B*Hk, G*Sq, Sk]; beta=0: the zero input is never read
-        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale)
+        s = torch.bmm(qh, kh).mul_(params.softmax_scale / cap).tanh_().mul_(cap * LOG2E)
+    else:  # [B*Hk, G*Sq, Sk] in log2 units; beta=0: the zero input is never read
+        s = torch.baddbmm(_ZERO[acc], qh, kh, beta=0.0, alpha=params.softmax_scale * LOG2E)
     if leading is not None:
         hidden = _leading_keys(leading, Sk)  # (B, Sk)
         s.view(B, -1, Sk).masked_fill_(hidden.unsqueeze(1), float("-inf"))
@@ -467,17 +464,19 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
     if _needs_mask(params, off, 0, Sq, 0, Sk):
         s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
     m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
-    p = torch.softmax(s, dim=-1)
-    lse = m.sub_(p.amax(dim=-1, keepdim=True).log_())  # m + log l: rows (hk, g, i) are lse's (h, i)
+    p = s.sub_(m).exp2_()
+    l = p.sum(dim=-1, keepdim=True)
     if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
-        _add_sink(p.view(B, H, Sq, Sk), lse.view(B, H, Sq), sink)
+        sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
+        l.add_((sink2 - m).exp2_())
     if Sq == 1 and q4.dtype == acc and (out4 is None or out4.is_contiguous()):  # rows (hk, g) are out's heads
-        out4 = torch.bmm(p, vh, out=None if out4 is None else out4.view(BH, G, Dv)).view(B, Sq, H, Dv)
-    else:  # out4 (B, Sq, H, Dv) = p v, rows (hk, g, i) to out's (i, hk, g)
+        out4 = torch.bmm(p, vh, out=None if out4 is None else out4.view(BH, G, Dv)).div_(l).view(B, Sq, H, Dv)
+    else:  # out4 (B, Sq, H, Dv) = p v / l, rows (hk, g, i) to out's (i, hk, g)
         if out4 is None:
             out4 = q4.new_empty((B, Sq, H, Dv))
-        out4.view(B, Sq, Hk, G, Dv).copy_(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4))
-    lse = lse.view(B, H, Sq)
+        torch.div(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4),
+                  l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4), out=out4.view(B, Sq, Hk, G, Dv))
+    lse = l.log_().add_(m, alpha=LN2).view(B, H, Sq)  # rows (hk, g, i) are lse's (h, i)
     if lse3 is None:
         return out4, lse
     lse3.copy_(lse)
