@@ -5,7 +5,8 @@ shapes the Hopper kernel may take) to the full path, and keep every value check.
 
 On the Triton backend: CUDA tensors on a GPU, else CPU tensors in Triton's interpreter; without a
 GPU every test that is not about Triton's plans also runs on the CPU tiles, whose lane
-(``tileattn.cpu.prepared``) binds the options and leaves the rest to ``attn_fwd``."""
+(``tileattn.cpu.prepared``) binds the options and leaves the rest to ``attn_fwd``, or for a
+one-tile problem to its one-tile step (``fwd_one_tile``)."""
 
 import pytest
 import torch
@@ -239,3 +240,112 @@ def test_an_autotuned_prefill_gets_its_lane_after_the_first_call(monkeypatch):
     second = tileattn.flash_attn_func(q, k, v, causal=True)
     assert entry(dense_ops._CHECKED).lane.calls == 1
     torch.testing.assert_close(second, first, rtol=0, atol=0)
+
+
+CPU_ONLY = [pytest.mark.skipif(DEV != "cpu", reason="the CPU tiles' lane"),
+            pytest.mark.parametrize("backend", ["cpu"], indirect=True)]
+
+
+def count_attn_fwd(monkeypatch):
+    """Counts the CPU lane's calls of ``attn_fwd`` (those ``fwd_one_tile`` left to it)."""
+    from tileattn.cpu import prepared as cpu_prepared
+
+    calls, original = [], cpu_prepared.attn_fwd
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_prepared, "attn_fwd", counted)
+    return calls
+
+
+def poison_new_empty(monkeypatch):
+    """``Tensor.new_empty`` (how the lane and the ops allocate outputs) fills floats with NaN."""
+    original = torch.Tensor.new_empty
+
+    def poisoned(t, *args, **kwargs):
+        x = original(t, *args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+
+
+def nan_cache(gen, lens, cap, dtype):
+    """A contiguous (batch, cap, 2, 16) cache pair whose slots past each length hold NaN."""
+    caches = [torch.randn(len(lens), cap, 2, 16, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2)]
+    for c in caches:
+        for b, n in enumerate(lens):
+            c[b, n:] = float("nan")
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True, softcap=3.0), dict(window_size=(5, 0))])
+@pytest.mark.parametrize("lens", [[13], [9, 9]])
+@pytest.mark.usefixtures("backend")
+@CPU_ONLY[0]
+@CPU_ONLY[1]
+def test_cpu_lane_decodes_in_one_tile_step(monkeypatch, dtype, opts, lens):
+    """A decoding signature (equal lengths, no ALiBi or splits, contiguous cache) goes to the
+    one-tile step (``fwd_one_tile``), not ``attn_fwd``; its own outputs (out in q's dtype, lse
+    fp32, fp64 for fp64 inputs) match the reference on each call's values, and the NaN slots
+    past the lengths stay unread."""
+    calls = count_attn_fwd(monkeypatch)
+    gen = torch.Generator().manual_seed(91)
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    for _ in range(3):
+        q = torch.randn(len(lens), 1, 4, 16, generator=gen, dtype=torch.float64).to(dtype)
+        k_cache, v_cache = nan_cache(gen, lens, 24, dtype)
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                    return_softmax_lse=True, **opts)
+        assert out.dtype == dtype and out.shape == q.shape and lse.shape == (len(lens), 4, 1)
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        check_rows(out, lse, q, k_cache, v_cache, lengths, **opts)
+    assert entry(kv_ops._CHECKED).lane.calls == 2 and not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.usefixtures("backend")
+@CPU_ONLY[0]
+@CPU_ONLY[1]
+def test_cpu_lane_prefill_with_sinks_in_one_tile_step(monkeypatch, dtype):
+    """flash_attn_func's lane: a causal GQA prefill with learnable sinks in the one-tile step."""
+    calls = count_attn_fwd(monkeypatch)
+    gen = torch.Generator().manual_seed(92)
+    sink = torch.randn(4, generator=gen)
+    for _ in range(3):
+        q = torch.randn(2, 7, 4, 16, generator=gen, dtype=dtype)
+        k, v = (torch.randn(2, 7, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
+        out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_attn_probs=True)
+        assert_attention(out, lse, q, k, v, causal=True, learnable_sink=sink)
+    assert entry(dense_ops._CHECKED).lane.calls == 2 and not calls
+
+
+@pytest.mark.parametrize("case", ["ragged", "alibi", "splits", "long", "empty rows"])
+@pytest.mark.usefixtures("backend")
+@CPU_ONLY[0]
+@CPU_ONLY[1]
+def test_cpu_lane_leaves_other_problems_to_attn_fwd(monkeypatch, case):
+    """What the one-tile step does not compute takes ``attn_fwd`` on the lane, into outputs
+    poisoned with NaN: lengths that differ, ALiBi, forced splits, more keys than a tile, and
+    rows that see no key (causal, more queries than keys)."""
+    calls = count_attn_fwd(monkeypatch)
+    gen = torch.Generator().manual_seed(93)
+    poison_new_empty(monkeypatch)
+    for _ in range(3):
+        if case == "empty rows":
+            q, k, v = (torch.randn(1, n, 4, 16, generator=gen) for n in (6, 3, 3))
+            out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+            assert_attention(out, lse, q, k, v, causal=True)
+            continue
+        lens = {"ragged": [5, 17], "long": [600]}.get(case, [11, 11])
+        lengths = torch.tensor(lens, dtype=torch.int32)
+        q = torch.randn(len(lens), 1, 4, 16, generator=gen)
+        k_cache, v_cache = nan_cache(gen, lens, 640 if case == "long" else 24, torch.float32)
+        opts = dict(alibi_slopes=torch.rand(4, generator=gen)) if case == "alibi" else {}
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                    num_splits=2 if case == "splits" else 0,
+                                                    return_softmax_lse=True, **opts)
+        check_rows(out, lse, q, k_cache, v_cache, lengths, **opts)
+    assert len(calls) == 2

@@ -368,7 +368,7 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
         lse3.copy_(torch.full_like(lse3, float("-inf")) if sink is None else sink.view(1, H, 1).expand_as(lse3))
         return
     if _one_tile(params, B, H, Sq, Sk, slopes, num_splits, block_m, block_n, tile_elems):
-        _fwd_whole(params, q4, k4, v4, out4, lse3, sink, Sk)
+        _fwd_whole(params, q4, k4, v4, sink, Sk, out4=out4, lse3=lse3)
         return
     k4, v4 = k4.narrow(1, 0, Sk), v4.narrow(1, 0, Sk)
     acc = _acc_dtype(q4.dtype)
@@ -423,7 +423,7 @@ def _has_empty_rows(params: AttnParams, Sq, Sk, leading: int = 0) -> bool:
 _ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
 
 
-def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk, leading=None):
+def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None, lse3=None):
     """``_fwd_group`` for a problem that is one tile and whose rows all see some key, without
     ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the single
     step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
@@ -437,6 +437,10 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk, leading=Non
     ``leading`` (a tuple, one count per sequence) leaves each sequence's first keys out: their
     scores are set to -inf and their values to 0 in the copy that is multiplied (they may hold
     anything, NaN included, and 0 x NaN would reach the output).
+
+    Returns (out4, lse3), written into those given, else new tensors (out in q's dtype, lse in the
+    accumulation dtype, which is the contract's: fp64 for fp64 inputs, else fp32): the lse rows,
+    and for decoding the batched matmul's result, are returned as they are, no copy.
     """
     (B, Sq, H, D), Hk, Dv = q4.shape, k4.shape[2], v4.shape[-1]
     G, BH, acc, cap = H // Hk, B * Hk, _acc_dtype(q4.dtype), params.softcap
@@ -465,12 +469,18 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, out4, lse3, sink, Sk, leading=Non
     if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
         sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
         l.add_((sink2 - m).exp2_())
-    if Sq == 1 and out4.dtype == acc and out4.is_contiguous():  # rows (hk, g) are out's heads: no permute
-        torch.bmm(p, vh, out=out4.view(BH, G, Dv)).div_(l)
-    else:  # out4 (B, Sq, H, Dv) = o / l, rows (hk, g, i) to out's (i, hk, g)
+    if Sq == 1 and q4.dtype == acc and (out4 is None or out4.is_contiguous()):  # rows (hk, g) are out's heads
+        out4 = torch.bmm(p, vh, out=None if out4 is None else out4.view(BH, G, Dv)).div_(l).view(B, Sq, H, Dv)
+    else:  # out4 (B, Sq, H, Dv) = p v / l, rows (hk, g, i) to out's (i, hk, g)
+        if out4 is None:
+            out4 = q4.new_empty((B, Sq, H, Dv))
         torch.div(torch.bmm(p, vh).view(B, Hk, G, Sq, Dv).permute(0, 3, 1, 2, 4),
                   l.view(B, Hk, G, Sq, 1).permute(0, 3, 1, 2, 4), out=out4.view(B, Sq, Hk, G, Dv))
-    torch.add(l.log_().view(B, H, Sq), m.view(B, H, Sq), alpha=LN2, out=lse3)
+    lse = l.log_().add_(m, alpha=LN2).view(B, H, Sq)  # rows (hk, g, i) are lse's (h, i)
+    if lse3 is None:
+        return out4, lse
+    lse3.copy_(lse)
+    return out4, lse3
 
 
 _LEADING: dict = {}
@@ -494,11 +504,34 @@ def _by_key_head(x, S: int, keys_last: bool = False):
     keeps D innermost (a transposing copy to [B*Hk, D, S] costs three times as much)."""
     B, _, Hk, D = x.shape
     if B == 1:
+        _, slot, head, feature = x.stride()
         if keys_last:
-            return x.as_strided((Hk, D, S), (x.stride(2), x.stride(3), x.stride(1)), x.storage_offset())
-        return x.as_strided((Hk, S, D), (x.stride(2), x.stride(1), x.stride(3)), x.storage_offset())
+            return x.as_strided((Hk, D, S), (head, feature, slot), x.storage_offset())
+        return x.as_strided((Hk, S, D), (head, slot, feature), x.storage_offset())
     y = (x if S == x.shape[1] else x.narrow(1, 0, S)).transpose(1, 2).reshape(B * Hk, S, D)
     return y.transpose(1, 2) if keys_last else y
+
+
+def _common_length(k, seqused_k) -> int | None:
+    """The keys each sequence of a dense batch attends to when that is one number: all of k's
+    without ``seqused_k``, else the length every sequence of a contiguous cache holds (one
+    decoding batch in step); None when the lengths differ."""
+    used = None if seqused_k is None else seqused_k.tolist()
+    if not used:
+        return k.shape[1]
+    return used[0] if used.count(used[0]) == len(used) else None
+
+
+def fwd_one_tile(q, k, v, params: AttnParams, seqused_k, learnable_sink):
+    """``attn_fwd``'s (out, lse) for a dense batch without ALiBi, dropout, splits, block table or
+    descales when ``_fwd_whole`` computes it (one tile: decoding, short prefills), in outputs
+    that step allocates; None, having done nothing, for any other problem. The CPU fast lane
+    (``prepared.PreparedFwd``) tries it first for the signatures it fits."""
+    Sk = _common_length(k, seqused_k)
+    B, Sq, H, _ = q.shape
+    if Sk is None or not _one_tile(params, B, H, Sq, Sk, None, 1, BLOCK_M, BLOCK_N, TILE_ELEMS):
+        return None
+    return _fwd_whole(params, q, k, v, learnable_sink, Sk)
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
@@ -517,10 +550,10 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     if cu_seqlens_q is None and block_table is None and k_descale is None:
         # a dense batch, or a contiguous cache whose sequences all hold the same number of keys
         # (one decoding batch in step): one group, with no per-sequence views
-        used = None if seqused_k is None else seqused_k.tolist()
-        if not used or used.count(used[0]) == len(used):
+        seqlen_k = _common_length(k, seqused_k)
+        if seqlen_k is not None:
             _fwd_group(q, k, v, out, lse, alibi_slopes, learnable_sink, 0, params, num_splits, block_m, block_n,
-                       tile_elems, used[0] if used else None)
+                       tile_elems, seqlen_k)
             return
     nbatch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     batch = _Batch(nbatch, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
@@ -545,8 +578,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
             k4, v4 = (x.as_strided((nbatch, Sk, *x.shape[1:]), (pitch * x.stride(0), *x.stride()),
                                    x.storage_offset() + first * x.stride(0)) for x in (k, v))
             lengths = (Sq, Sk)
-            _fwd_whole(params, batch.dense(q, lengths), k4, v4, batch.dense(out, lengths),
-                       batch.dense_lse(lse, lengths), learnable_sink, Sk, leading)
+            _fwd_whole(params, batch.dense(q, lengths), k4, v4, learnable_sink, Sk, leading,
+                       out4=batch.dense(out, lengths), lse3=batch.dense_lse(lse, lengths))
             return
     for bs in batch.groups():
         slopes = None if alibi_slopes is None else alibi_slopes[bs]

@@ -5,12 +5,15 @@ calls use instead of ``ops._custom.attention`` (the custom op's dispatch, ``_run
 backend lookup: about a third of a tiny decoding call on the CPU). Here that launch is
 ``attn_fwd`` itself with the options of the signature bound: every value-dependent choice
 (the sequences' lengths, the tiles) is still made per call by ``attn_fwd``, which reads the
-values on the host anyway. Calls with dropout (a seed per call) get none.
+values on the host anyway. A signature without ALiBi, splits, block table or descales first
+tries ``attn_fwd``'s one-tile step (``fwd_one_tile``: decoding, short prefills), which skips
+``attn_fwd``'s dispatch and allocates its outputs itself (the matmul's result is the output).
+Calls with dropout (a seed per call) get none.
 """
 
 from __future__ import annotations
 
-from .attention import attn_fwd
+from .attention import attn_fwd, fwd_one_tile
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
 
@@ -21,24 +24,30 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     outputs: their shapes and dtypes), or None for dropout."""
     if params.dropout_p > 0:
         return None
+    one_tile = alibi_slopes is None and num_splits <= 1 and block_table is None and k_descale is None
     return PreparedFwd(dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                            num_splits=num_splits), (tuple(out.shape), tuple(lse.shape), lse.dtype))
+                            num_splits=num_splits), one_tile, (tuple(out.shape), tuple(lse.shape), lse.dtype))
 
 
 class PreparedFwd:
     """``prepared(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale,
-    v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, runs ``attn_fwd`` into them and
-    returns them. ``calls`` counts its calls."""
+    v_descale)`` returns (out, lse): from ``fwd_one_tile`` when the signature fits it (``one_tile``)
+    and the call is one tile, else allocated as ``prepare_fwd``'s were and written by ``attn_fwd``.
+    ``calls`` counts its calls."""
 
-    __slots__ = ("options", "out_shape", "lse_shape", "lse_dtype", "calls")
+    __slots__ = ("options", "one_tile", "out_shape", "lse_shape", "lse_dtype", "calls")
 
-    def __init__(self, options: dict, outputs: tuple):
-        self.options, self.calls = options, 0
+    def __init__(self, options: dict, one_tile: bool, outputs: tuple):
+        self.options, self.one_tile, self.calls = options, one_tile, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
 
     def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
-        out, lse = q.new_empty(self.out_shape), q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         self.calls += 1
+        if self.one_tile:
+            res = fwd_one_tile(q, k, v, self.options["params"], seqused_k, learnable_sink)
+            if res is not None:
+                return res
+        out, lse = q.new_empty(self.out_shape), q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                  learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
         return out, lse
