@@ -247,20 +247,26 @@ def test_hopper_partials_over_a_paged_pool(head_dim, page, group, prefix_len, ro
     assert_within("lse", lse, plain_lse, ref_lse)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 5])
-def test_hopper_work_order_by_groups(monkeypatch, group):
+def test_hopper_work_order_by_groups(monkeypatch, group, persistent):
     """The work order of unequal items (causal), taking ``group`` (sequence, head) pairs at a time
-    (``_order_group``): 3 x 4 = 12 pairs, so groups of 5 leave a last group of 2. Each item's
-    arithmetic does not depend on the order: the output is bitwise that of one pair at a time."""
+    (``_order_group``): 3 x 4 = 12 pairs, so groups of 5 leave a last group of 2; one program per
+    item, or a persistent grid walking them (``PERSISTENT_MIN_GROUP``). Each item's arithmetic
+    does not depend on the order: the output is bitwise that of one pair at a time, one program
+    per item."""
     from tileattn.gpu import hopper
 
     monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1 if persistent else 2**30)
+    monkeypatch.setattr(hopper, "_sms", lambda q: 7)  # 7 programs walk the 72 items
     per_head = 700 * 2 * 128 * 2  # keys and values of one head, bf16
     monkeypatch.setattr(hopper, "ORDER_L2_BYTES", per_head * group)
     assert hopper._order_group(torch.empty(3, 700, 4, 128, dtype=torch.bfloat16),
                                torch.empty(3, 700, 4, 128, dtype=torch.bfloat16), 700, 4, 12) == group
     out, lse = _run(group, 3, 700, 700, 4, 4, 128, torch.bfloat16, causal=True)
     monkeypatch.setattr(hopper, "ORDER_L2_BYTES", 0)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 2**30)
     again, lse_again = _run(group, 3, 700, 700, 4, 4, 128, torch.bfloat16, causal=True)
     assert torch.equal(out, again) and torch.equal(lse, lse_again)
 

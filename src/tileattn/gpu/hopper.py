@@ -38,6 +38,10 @@ MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # tokens a batch (docs/perf-notes.md, 2026-12-01 05:20): groups of 12-48 pairs +1.6 to +3.7 %
 # (hdim 128 at 2k-4k, hdim 64 at 2k-8k); groups of 3-6: -4.6 to +0.8 %.
 ORDER_L2_BYTES, ORDER_MIN_GROUP = 24 << 20, 12
+# Dense causal calls whose groups hold this many pairs run on a persistent grid walking the grouped
+# order: measured (05:29) +10 / +2 % at hdim 128 (1k / 2k; groups 48 / 24), +23 / +17 / +10 % at
+# hdim 64 (1k / 2k / 4k; 96 / 48 / 24); with groups of 12, -4 % at hdim 128 (4k), +5 % at hdim 64 (8k).
+PERSISTENT_MIN_GROUP = 24
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
 # Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
 # query rows (per sequence) sent there; causal means no window beyond causality, not causal no
@@ -202,8 +206,13 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
     if varlen or params.window_left >= 0 or params.window_right >= 0:
         # Items of unequal cost (causal diagonal, windows, packed lengths): one program per item,
         # so the hardware's block scheduler balances them. A static round-robin over one program
-        # per SM measured 435 against 625 TFLOP/s at hdim 128, causal, 16k (docs/perf-notes.md).
-        programs, group = works, _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
+        # per SM in the order of one (sequence, head) pair at a time measured 435 against 625
+        # TFLOP/s at hdim 128, causal, 16k; over the grouped order (_order_group) with large
+        # groups it balances: dense causal calls with groups of PERSISTENT_MIN_GROUP or more
+        # pairs run persistent (docs/perf-notes.md, 2026-12-01 05:29).
+        group = _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
+        dense_causal = not varlen and params.window_left < 0 and params.window_right == 0
+        programs = min(works, _sms(q)) if dense_causal and group >= PERSISTENT_MIN_GROUP else works
     else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
         programs, group = min(works, _sms(q)), 1
     _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
