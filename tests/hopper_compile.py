@@ -304,7 +304,7 @@ def record(fn, *args, **kwargs):
         if kind is None:
             expanded.append((kernel, args, meta))
             continue
-        width = max(meta["HEAD_DIM_P"], meta["HEAD_DIM_V_P"])  # the configs of the wider of q/k and v
+        width = max(meta["HEAD_DIM_PAD"], meta["HEAD_DIM_V_PAD"])  # the configs of the wider of q/k and v
         for cfg in bwd_launcher._configs(kind, (width,), args[0].element_size()):  # the pruned set
             expanded.append((kernel, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
                                             "num_stages": cfg.num_stages}))

@@ -1,15 +1,36 @@
-"""What both launchers decide the same way: interpreter or GPU, autotuning or a fixed tile."""
+"""What both launchers decide the same way: interpreter or GPU, autotuning or a fixed tile, the
+matmuls' operand dtype and precision, the shared memory a program may use."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
+import triton.language as tl
+
+SMEM_LIMIT = 227 * 1024  # shared memory one block may use on Hopper (sm_90)
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_types(dtype: torch.dtype, fp8_cache: bool = False) -> tuple:
+    """The matmuls' operand dtype and precision (``DOT_DTYPE``, ``DOT_PRECISION``), forward and
+    backward alike: the inputs' own dtype; fp16 over an FP8 cache (the forward scales q into
+    fp16's range); bf16 widened to fp32 under Triton 3.6's interpreter, whose tl.dot multiplies bf16
+    bit patterns as integers (the operands are already rounded to bf16, so this is exact);
+    "ieee" for fp32 operands, else "tf32" (which 16-bit operands ignore)."""
+    if fp8_cache:
+        dot = tl.float16
+    elif dtype == torch.bfloat16 and interpreting():
+        dot = tl.float32
+    else:
+        dot = _DOT_DTYPES[dtype]
+    return dot, "ieee" if dot == tl.float32 else "tf32"
 
 
 def autotune_enabled() -> bool:

@@ -33,7 +33,6 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
@@ -42,7 +41,7 @@ from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       plan_for)
-from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
+from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
 
 __all__ = ["attn_fwd", "plan_fwd", "plan_partials", "clear_plans", "FwdPlan"]
@@ -74,7 +73,7 @@ DECODE_BLOCK_N = 128
 DECODE_BLOCK_N_WHOLE_PAGES = 64
 DECODE_NUM_WARPS = 4
 DECODE_MAX_STAGES = 3  # fewer when the staged K/V tiles would not fit in shared memory
-SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KB per block, leaving room for the compiler's scratch
+SMEM_BUDGET = SMEM_LIMIT - 27 * 1024  # _smem_bytes leaves out the compiler's scratch (layout conversions)
 # Head dims above TAIL_ABOVE (q/k) are a power-of-two main part and a tail; a call with a q/k or v
 # head dim above it is "wide" and takes the wide tile, for any number of rows: up to WIDE_BLOCK_M
 # rows (at 64 rows WIDE_NUM_WARPS: two warpgroups, each 256 columns of a 512-wide fp32 accumulator,
@@ -90,7 +89,6 @@ WIDE_BLOCK_N = 32
 WIDE_BLOCK_N_SEPARATE = 16
 WIDE_MAX_STAGES = 2
 WIDE_FP8_BLOCK_M = 32
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def _prefill_configs():
@@ -474,11 +472,7 @@ class FwdPlan:
             o_strides = (0, stride_ob, stride_os, stride_oh)
             l_strides = (0, stride_lb, stride_lh, stride_ls)
 
-        dot_dtype = _DOT_DTYPES[q_dtype]
-        if descale is not None:  # an FP8 cache: fp16 operands (the kernel scales q into fp16's range)
-            dot_dtype = tl.float16
-        elif interpreting() and q_dtype == torch.bfloat16:  # the interpreter's tl.dot mishandles bf16
-            dot_dtype = tl.float32
+        dot_dtype, dot_precision = dot_types(q_dtype, fp8_cache=descale is not None)
         self.ints = (
             stride_qb, stride_qs, stride_qh,
             stride_kb, stride_ks, stride_kh,
@@ -496,7 +490,7 @@ class FwdPlan:
             PACK_GQA=pack_gqa, SPLIT_KV=split_kv, IS_FP8=descale is not None,
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
             V_IS_K=v_is_k, SINGLE_LOOP=wide,
         )

@@ -10,12 +10,11 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
 from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
-from ._tuning import Tuned, autotune_enabled, interpreting, length_bucket
+from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper_bwd import hopper_attn_bwd, hopper_bwd_reason
 
 __all__ = ["attn_bwd", "clear_plans", "BwdPlan"]
@@ -28,7 +27,7 @@ _FIRST_INT = {"dkdv": _attn_bwd_dkdv_kernel.arg_names.index("stride_qb"),
               "dq": _attn_bwd_dq_kernel.arg_names.index("stride_qb")}
 
 
-def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
+def _shapes(head_dim_pad: int) -> list[tuple[int, int, int, int]]:
     """(resident block, streamed block, num_warps, num_stages) to try, best guess first.
 
     dkdv keeps a key block (BLOCK_N rows of k, v, dk, dv) resident and streams query blocks,
@@ -36,9 +35,9 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
     """
     if interpreting():  # small tiles: the tests walk several blocks in a few hundred tokens
         return [(32, 16, 4, 1)]
-    if head_dim_p <= 64:
+    if head_dim_pad <= 64:
         return [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)]
-    if head_dim_p <= 128:
+    if head_dim_pad <= 128:
         # the last two spill least in dK/dV (ptxas: 32 and 208 B of stack against 0.6-3 KB for the
         # others, tests/hopper_compile.py); timed on the H200, the autotuner never kept them
         # (docs/perf-notes.md: the spilling (128, 64, 8, 2 or 3) won at every size)
@@ -47,15 +46,14 @@ def _shapes(head_dim_p: int) -> list[tuple[int, int, int, int]]:
     return [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
 
 
-SMEM_LIMIT = 227 * 1024  # shared memory one block may use on Hopper
 
 
-def _smem_estimate(resident: int, streamed: int, stages: int, head_dim_p: int, elem_size: int) -> int:
+def _smem_estimate(resident: int, streamed: int, stages: int, head_dim_pad: int, elem_size: int) -> int:
     """An estimate of one program's shared memory: two resident tiles (k, v or q, dout) and
     ``stages`` copies of the two streamed ones. Compiled for sm_90 the kernels use 60-101 % of
     it (tests/hopper_compile.py checks every kept config against the real limit); without it
     fp32 inputs would get the bf16 tiles, which do not fit."""
-    return elem_size * head_dim_p * (2 * resident + 2 * stages * streamed)
+    return elem_size * head_dim_pad * (2 * resident + 2 * stages * streamed)
 
 
 def _configs(kind: str, head_dims=(64, 128, 256), elem_size: int | None = None) -> list[triton.Config]:
@@ -84,13 +82,13 @@ def _pruner(kind: str):
     shared memory for this dtype."""
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        width = max(args["HEAD_DIM_P"], args["HEAD_DIM_V_P"])  # the configs of the wider of q/k and v
+        width = max(args["HEAD_DIM_PAD"], args["HEAD_DIM_V_PAD"])  # the configs of the wider of q/k and v
         wanted = {str(c) for c in _configs(kind, (width,), args["q_ptr"].element_size())}
         return [c for c in configs if str(c) in wanted]
     return prune
 
 
-_TUNE_KEY = ["HEAD_DIM_P", "HEAD_DIM_V_P", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
+_TUNE_KEY = ["HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_DROPOUT"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,15 +97,6 @@ def _tuned(kind: str, bucket: int) -> Tuned:
     autotuner per bucket over the same jit function, since a key can only name kernel arguments."""
     kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
     return Tuned(kernel, _configs(kind), _TUNE_KEY, _pruner(kind))
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the matmuls: the inputs' own, except bf16 under Triton 3.6's interpreter,
-    whose tl.dot multiplies bf16 bit patterns as integers; there the operands (already rounded
-    to bf16) are widened to fp32."""
-    if dtype == torch.bfloat16 and interpreting():
-        return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
 def clear_plans() -> None:
@@ -191,9 +180,9 @@ class BwdPlan:
         self.lse_shape = lse_shape
         ws_full = contiguous_strides(lse_shape)
         ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
-        head_dim_p = max(16, next_power_of_2(head_dim))
-        head_dim_v_p = max(16, next_power_of_2(head_dim_v))
-        width = max(head_dim_p, head_dim_v_p)  # tile configs are chosen for the wider of q/k and v
+        head_dim_pad = max(16, next_power_of_2(head_dim))
+        head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
+        width = max(head_dim_pad, head_dim_v_pad)  # tile configs are chosen for the wider of q/k and v
         elem_size = q_dtype.itemsize
         self.has_sink = sink is not None
         self.preprocess = None
@@ -202,16 +191,16 @@ class BwdPlan:
             self.pre_ints = (*rows(o_stride), *rows(do_stride), *lse_strides, *dlse_strides, *ws_strides, seqlen_q)
             self.pre_grid = (cdiv(seqlen_q, _PREPROCESS_BLOCK), nheads, batch)
             self.preprocess = launch_for(
-                _attn_bwd_preprocess, dict(HEAD_DIM=head_dim_v, HEAD_DIM_P=head_dim_v_p, BLOCK_M=_PREPROCESS_BLOCK,
+                _attn_bwd_preprocess, dict(HEAD_DIM=head_dim_v, HEAD_DIM_PAD=head_dim_v_pad, BLOCK_M=_PREPROCESS_BLOCK,
                                            IS_VARLEN=varlen, HAS_DLSE=dlse is not None, HAS_SINK=sink is not None),
                 {}, ((dtypes[3], dtypes[4], dtypes[-1], cu_q and cu_q[1], dlse and dlse[1], sink,
                       sink and torch.float32),
                      int_class(_attn_bwd_preprocess, _PRE_FIRST_INT, self.pre_ints)))
-        self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEAD_DIM_V=head_dim_v,
-                         HEAD_DIM_V_P=head_dim_v_p, IS_VARLEN=varlen,
+        self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
+                         HEAD_DIM_V_PAD=head_dim_v_pad, IS_VARLEN=varlen,
                          HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
                          MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-                         DOT_DTYPE=_dot_dtype(q_dtype), DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
+                         **dict(zip(("DOT_DTYPE", "DOT_PRECISION"), dot_types(q_dtype))))
         common = (*rows(q_stride), *rows(k_stride), *rows(v_stride), *rows(do_stride))
         tail = (*ws_strides, *(alibi[0] if alibi else (0, 0)), seqlen_q, seqlen_k)
         fixed = deterministic or interpreting() or not autotune_enabled()
@@ -267,7 +256,7 @@ class BwdPlan:
 class _PlannedKernel:
     """The dkdv or dq launch of a plan: a fixed config, or the autotuner's choice once it is made."""
 
-    def __init__(self, kind, bucket, fixed, elem_size, head_dim_p, meta, dtype, ints, grid, signature):
+    def __init__(self, kind, bucket, fixed, elem_size, head_dim_pad, meta, dtype, ints, grid, signature):
         self.kind, self.meta, self.ints, self._grid = kind, meta, ints, grid
         kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
         self._signature = (signature, int_class(kernel, _FIRST_INT[kind], ints))
@@ -275,7 +264,7 @@ class _PlannedKernel:
         self._tune_key = tuple(meta[name] for name in _TUNE_KEY) + (dtype,)
         self.launch = None
         if fixed:
-            self._use(_configs(kind, (head_dim_p,), elem_size)[0])
+            self._use(_configs(kind, (head_dim_pad,), elem_size)[0])
 
     def _use(self, config: triton.Config) -> None:
         kernel = _attn_bwd_dkdv_kernel if self.kind == "dkdv" else _attn_bwd_dq_kernel

@@ -47,7 +47,7 @@ def _attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_seqlens
                          stride_dlb, stride_dlh, stride_dlm,
                          stride_wb, stride_wh,
                          seqlen_q,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                          IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
     """delta = rowsum(dO * O) - dlse in fp32, lse2 = log2(e) lse (+inf where lse = -inf) and,
     with sinks, the row's term exp(sink_h - lse) delta of -dsink_h."""
@@ -62,9 +62,9 @@ def _attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_seqlens
         return
     rows = q_start.to(tl.int64) + start_m
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     mask_m = start_m + offs_m < seqlen_q
-    mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_P]
+    mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_PAD]
     o_base = o_ptr + b * stride_ob + h * stride_oh + rows * stride_om
     do_base = do_ptr + b * stride_dob + h * stride_doh + rows * stride_dom
     b_o = tl.load(o_base + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
@@ -109,7 +109,7 @@ def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, 
 def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                start_m, end_m, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the query blocks [start_m, end_m) of one query head to the key block's dk, dv.
@@ -120,8 +120,8 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
     key - query - diag_off = (-query) - (-key + diag_off).
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
-    offs_dv = tl.arange(0, HEAD_DIM_V_P)  # [HEAD_DIM_V_P]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
     mask_d = offs_d < HEAD_DIM
     mask_dv = offs_dv < HEAD_DIM_V
     start = start_m.to(tl.int64)
@@ -129,8 +129,8 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
     do_ptrs = do_base + start * stride_dom + (offs_m - start_m)[:, None] * stride_dom + offs_dv[None, :]
     for _ in range(start_m, end_m, BLOCK_M):
         mask_m = offs_m < seqlen_q
-        b_qT = tl.load(qT_ptrs, mask=mask_d[:, None] & mask_m[None, :], other=0.0)  # [HEAD_DIM_P, BLOCK_M]
-        b_do = tl.load(do_ptrs, mask=mask_m[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_V_P]
+        b_qT = tl.load(qT_ptrs, mask=mask_d[:, None] & mask_m[None, :], other=0.0)  # [HEAD_DIM_PAD, BLOCK_M]
+        b_do = tl.load(do_ptrs, mask=mask_m[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_V_PAD]
         in_dtype = b_qT.dtype
         b_qT = b_qT.to(DOT_DTYPE)
         b_do = b_do.to(DOT_DTYPE)
@@ -148,11 +148,11 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
             dv += tl.dot((pT * zT).to(in_dtype).to(DOT_DTYPE), b_do, input_precision=DOT_PRECISION)
             dpT = dpT * zT
         else:
-            dv += tl.dot(pT.to(in_dtype).to(DOT_DTYPE), b_do, input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_V_P]
+            dv += tl.dot(pT.to(in_dtype).to(DOT_DTYPE), b_do, input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_V_PAD]
         dsT = pT * (dpT - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        dk += tl.dot(dsT.to(in_dtype).to(DOT_DTYPE), tl.trans(b_qT), input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_P]
+        dk += tl.dot(dsT.to(in_dtype).to(DOT_DTYPE), tl.trans(b_qT), input_precision=DOT_PRECISION)  # [BLOCK_N, HEAD_DIM_PAD]
         offs_m += BLOCK_M
         qT_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -169,8 +169,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
                           seqlen_q, seqlen_k, sm_scale, softcap, window_left, window_right, diag_shift,
                           drop_bh0, drop_bh_stride, drop_r0, drop_c0,
                           seed, threshold, keep_scale,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                          HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                           HAS_DROPOUT: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -187,15 +187,15 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
     q_rows = q_start.to(tl.int64)
     k_rows = k_start.to(tl.int64) + start_n
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
-    offs_dv = tl.arange(0, HEAD_DIM_V_P)  # [HEAD_DIM_V_P]
-    mask_kv = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_P]
-    mask_v = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V)  # [BLOCK_N, HEAD_DIM_V_P]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
+    mask_kv = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_PAD]
+    mask_v = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V)  # [BLOCK_N, HEAD_DIM_V_PAD]
     tile_n = tl.arange(0, BLOCK_N)[:, None]
     b_k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + k_rows * stride_kn + tile_n * stride_kn + offs_d[None, :],
-                  mask=mask_kv, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM_P]
+                  mask=mask_kv, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM_PAD]
     b_v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + k_rows * stride_vn + tile_n * stride_vn + offs_dv[None, :],
-                  mask=mask_v, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM_V_P]
+                  mask=mask_v, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM_V_PAD]
 
     # Query rows that see some key of this block: i >= start_n - diag_off - right and
     # i <= start_n + BLOCK_N - 1 - diag_off + left. Blocks [m_a, m_b) see every key unmasked.
@@ -213,8 +213,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
     m_a = tl.minimum(tl.maximum(tl.cdiv(m_a, BLOCK_M) * BLOCK_M, m_lo), m_end)
     m_b = tl.minimum(tl.maximum(m_b, m_a), m_end)
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM_P], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_P], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
     for g in range(GROUP):  # the query heads sharing this key/value head, in order
         h = hk * GROUP + g
         q_base = q_ptr + b * stride_qb + h * stride_qh + q_rows * stride_qm
@@ -228,17 +228,17 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_a, m_b, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             False, False, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_b, m_end, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
     dk = dk * sm_scale
     tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + k_rows * stride_dkn + tile_n * stride_dkn + offs_d[None, :],
@@ -251,29 +251,29 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
 def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn,
              start_n, end_n, offs_m, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
              window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-             HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
              BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr,
              DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the key blocks [start_n, end_n) to the query block's dq (before the final scale)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
-    offs_dv = tl.arange(0, HEAD_DIM_V_P)  # [HEAD_DIM_V_P]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
     mask_d = offs_d < HEAD_DIM
     mask_dv = offs_dv < HEAD_DIM_V
     start = start_n.to(tl.int64)
     tile_n = (offs_n - start_n)[None, :]
-    kT_ptrs = k_base + start * stride_kn + tile_n * stride_kn + offs_d[:, None]  # [HEAD_DIM_P, BLOCK_N]
-    vT_ptrs = v_base + start * stride_vn + tile_n * stride_vn + offs_dv[:, None]  # [HEAD_DIM_V_P, BLOCK_N]
+    kT_ptrs = k_base + start * stride_kn + tile_n * stride_kn + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
+    vT_ptrs = v_base + start * stride_vn + tile_n * stride_vn + offs_dv[:, None]  # [HEAD_DIM_V_PAD, BLOCK_N]
     for _ in range(start_n, end_n, BLOCK_N):
         if MASK_N:
-            mask = mask_d[:, None] & (offs_n[None, :] < seqlen_k)  # [HEAD_DIM_P, BLOCK_N]
-            mask_v = mask_dv[:, None] & (offs_n[None, :] < seqlen_k)  # [HEAD_DIM_V_P, BLOCK_N]
+            mask = mask_d[:, None] & (offs_n[None, :] < seqlen_k)  # [HEAD_DIM_PAD, BLOCK_N]
+            mask_v = mask_dv[:, None] & (offs_n[None, :] < seqlen_k)  # [HEAD_DIM_V_PAD, BLOCK_N]
         else:
-            mask = mask_d[:, None]  # [HEAD_DIM_P, 1], broadcast by the loads
-            mask_v = mask_dv[:, None]  # [HEAD_DIM_V_P, 1]
-        b_kT = tl.load(kT_ptrs, mask=mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-        b_vT = tl.load(vT_ptrs, mask=mask_v, other=0.0).to(DOT_DTYPE)  # [HEAD_DIM_V_P, BLOCK_N]
+            mask = mask_d[:, None]  # [HEAD_DIM_PAD, 1], broadcast by the loads
+            mask_v = mask_dv[:, None]  # [HEAD_DIM_V_PAD, 1]
+        b_kT = tl.load(kT_ptrs, mask=mask, other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        b_vT = tl.load(vT_ptrs, mask=mask_v, other=0.0).to(DOT_DTYPE)  # [HEAD_DIM_V_PAD, BLOCK_N]
         in_dtype = b_kT.dtype
         b_kT = b_kT.to(DOT_DTYPE)
         qk = tl.dot(b_q, b_kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -287,7 +287,7 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
         ds = p * (dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(in_dtype).to(DOT_DTYPE), tl.trans(b_kT), input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_P]
+        dq += tl.dot(ds.to(in_dtype).to(DOT_DTYPE), tl.trans(b_kT), input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_PAD]
         offs_n += BLOCK_N
         kT_ptrs += BLOCK_N * stride_kn
         vT_ptrs += BLOCK_N * stride_vn
@@ -303,8 +303,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
                         seqlen_q, seqlen_k, sm_scale, softcap, window_left, window_right, diag_shift,
                         drop_bh0, drop_bh_stride, drop_r0, drop_c0,
                         seed, threshold, keep_scale,
-                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                        HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                        HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                         HAS_DROPOUT: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -321,16 +321,16 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     hk = h // GROUP
     q_rows = q_start.to(tl.int64) + start_m
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     tile_m = tl.arange(0, BLOCK_M)[:, None]
     mask_m = offs_m < seqlen_q
-    mask_q = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_P]
+    mask_q = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_DIM_PAD]
     b_q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_rows * stride_qm + tile_m * stride_qm + offs_d[None, :],
-                  mask=mask_q, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_P]
-    offs_dv = tl.arange(0, HEAD_DIM_V_P)  # [HEAD_DIM_V_P]
+                  mask=mask_q, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_PAD]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
     b_do = tl.load(do_ptr + b * stride_dob + h * stride_doh + q_rows * stride_dom + tile_m * stride_dom
                    + offs_dv[None, :], mask=mask_m[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-                   other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_V_P]
+                   other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM_V_PAD]
     w_off = b * stride_wb + h * stride_wh + q_rows + tl.arange(0, BLOCK_M)
     b_lse2 = tl.load(lse2_ptr + w_off, mask=mask_m, other=float("inf"))  # [BLOCK_M]
     b_delta = tl.load(delta_ptr + w_off, mask=mask_m, other=0.0)  # [BLOCK_M]
@@ -357,18 +357,18 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
 
     k_base = k_ptr + b * stride_kb + hk * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = v_ptr + b * stride_vb + hk * stride_vh + k_start.to(tl.int64) * stride_vn
-    dq = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_lo, n_a, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_a, n_b, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, False, False, DOT_DTYPE, DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_b, n_end, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_P, HEAD_DIM_V, HEAD_DIM_V_P, BLOCK_N,
+                  seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
     dq = dq * sm_scale
     tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + q_rows * stride_dqm + tile_m * stride_dqm + offs_d[None, :],

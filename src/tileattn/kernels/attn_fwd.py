@@ -55,9 +55,7 @@ launcher then asks for fp32.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dropout_keep, online_rescale, scores_log2
-
-LN2 = tl.constexpr(0.6931471805599453)
+from .common import LN2, LOG2E, dropout_keep, online_rescale, scores_log2
 
 
 @triton.jit

@@ -50,15 +50,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import online_rescale, visible_mask
+from .common import LN2, LOG2E, online_rescale, visible_mask
 
 # The shared jit helpers of common.py, compiled for Gluon (the same source serves both).
 _online_rescale = gluon.jit(online_rescale.fn)
 _visible_mask = gluon.jit(visible_mask.fn)
 
 
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 ROWS_WG: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (a block is two)
 OUT_OF_POOL: gl.constexpr = gl.constexpr(2**30)  # a page id past any pool: TMA reads zeros
 

@@ -15,9 +15,8 @@ launch that did not split wrote its output directly (a mixed batch's long sequen
 import triton
 import triton.language as tl
 
-from .common import LOG2E, online_rescale
+from .common import LN2, LOG2E, online_rescale
 
-LN2 = tl.constexpr(0.6931471805599453)
 UNSPLIT_MARK = tl.constexpr(0x7FC0DEAD)  # a NaN's bits that no split writes (they write finite or -inf)
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a global jit code may read must be a tl.constexpr instance
+LN2 = tl.constexpr(0.6931471805599453)  # (Gluon's constexpr is the same class: its kernels import these too)
 
 
 @triton.jit
