@@ -6,8 +6,9 @@ benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
 
 Work items of 128 query rows, each computed by two consumer warpgroups of 64 rows and one
 producer warp (``kernels/attn_fwd_hopper.py``): one program per SM walks them when they cost
-the same (dense, no mask), else one program per item. Tiles per head
-dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
+the same (dense, no mask) and for dense causal calls whose grouped work order holds enough
+(sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item.
+Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
 2 x 2 x 32 KB = 192 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
 ``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and

@@ -17,8 +17,10 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
       softmax of S_j -> P_j, alpha_j;  wait for O;  O *= alpha_j
 
 * Work items (128 query rows of one sequence and head) are walked by each program with a
-  stride of the grid size: one program per SM (persistent, the next item's copies overlap the
-  last one's epilogue) when items cost the same, one program per item otherwise.
+  stride of the grid size, in the order of ``_work`` (heaviest causal blocks first across a group
+  of heads): one program per SM (persistent, the next item's copies overlap the last one's
+  epilogue) when items cost the same or the launcher finds the order balanced enough, one
+  program per item otherwise.
 
 Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.py`` (left window
 edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
