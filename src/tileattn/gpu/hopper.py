@@ -220,13 +220,13 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
                 learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, group=group)
 
 
-def _order_group(k, v, seqlen_k: int, nheads: int, heads: int) -> int:
-    """How many (sequence, head) pairs the kernel's work order takes at a time (``_work`` of
-    kernels/attn_fwd_hopper.py: heaviest blocks first across a group): as many as keep the keys
-    and values they read within ``ORDER_L2_BYTES`` (query heads of one KV head share them), or
-    1 where that is fewer than ``ORDER_MIN_GROUP``."""
+def _order_group(k, v, seqlen_k: int, nheads: int, pairs: int) -> int:
+    """How many of the call's ``pairs`` (sequence, query head) pairs the kernel's work order takes
+    at a time (``_work`` of kernels/attn_fwd_hopper.py: heaviest blocks first across a group): as
+    many as keep the keys and values they read within ``ORDER_L2_BYTES`` (the ``nheads`` query
+    heads share k's KV heads), or 1 where that is fewer than ``ORDER_MIN_GROUP``."""
     per_head = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size() * k.shape[-2] // nheads
-    group = min(heads, ORDER_L2_BYTES // max(per_head, 1))
+    group = min(pairs, ORDER_L2_BYTES // max(per_head, 1))
     return group if group >= ORDER_MIN_GROUP else 1
 
 
