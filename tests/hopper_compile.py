@@ -380,7 +380,7 @@ def hopper_partials_cases():
 
 
 def hopper_bwd_cases():
-    """The Gluon backward through its launcher (dK/dV and dQ in one launch): each head dim and 16-bit dtype, no mask, causal
+    """The Gluon backward through its launcher (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
     (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
     or not)."""
     g = torch.Generator().manual_seed(3)
@@ -484,8 +484,9 @@ def main() -> int:
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
     for name, tensors, kwargs in hopper_bwd_cases():
-        todo += [(name, *launch) for launch in record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper,
-                                                             "_attn_bwd_hopper_kernel", *tensors, **kwargs)]
+        launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
+                                 *tensors, **kwargs)
+        todo += [(f"{name} {'dkdv' if launch[2]['DKDV'] else 'dq'}", *launch) for launch in launches]
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))

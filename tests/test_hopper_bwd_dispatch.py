@@ -79,10 +79,8 @@ class _Record:
 @pytest.mark.parametrize("window, varlen", [((-1, -1), False), ((-1, 0), False), ((64, 0), False),
                                             ((-1, 0), True)])
 def test_launches(monkeypatch, window, varlen):
-    """One launch, 1-D grid: the dK/dV programs (key blocks x key/value heads x batch) first, then
-    the dQ ones (query blocks x query heads x batch); the queries' lengths, window and mask flags
-    (the kernel swaps them for dK/dV); each role's descriptors over the right tensors, a tensor
-    read in the same box by both roles described once."""
+    """Two launches: dK/dV in the transposed frame (rows = keys: lengths, window bounds and mask
+    flags swapped; GROUP column passes) and dQ (rows = queries)."""
     record = _Record(attn_bwd_hopper._attn_bwd_hopper_kernel)
     monkeypatch.setattr(attn_bwd_hopper, "_attn_bwd_hopper_kernel", record)
     dout, q, k, v, _, _ = _tensors(batch=2, seqlen_q=300, seqlen_k=350, nheads=8, nheads_k=2, d=128)
@@ -97,20 +95,21 @@ def test_launches(monkeypatch, window, varlen):
     params = AttnParams(0.1, left, right)
     hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
                                ws.clone(), params=params, **kwargs)
-    ((grid, args, meta),) = record.launches
+    (grid_kv, args_kv, meta_kv), (grid_q, args_q, meta_q) = record.launches
     len_q, len_k = (500, 370) if varlen else (300, 350)
-    blocks_kv, blocks_q = math.ceil(len_k / 128), math.ceil(len_q / 128)
-    assert (args["blocks_kv"], args["blocks_q"], args["nheads_k"], args["nheads"]) == (blocks_kv, blocks_q, 2, 8)
-    assert args["n_kv"] == blocks_kv * 2 * 2 and grid == (args["n_kv"] + blocks_q * 8 * 2, 1, 1)
-    assert (args["seqlen_q"], args["seqlen_k"], args["window_left"], args["window_right"]) == (len_q, len_k, left, right)
-    assert (meta["MASK_LEFT"], meta["MASK_RIGHT"], meta["GROUP"]) == (left >= 0, right >= 0, 4)
-    for name, t in (("k_rows", k), ("v_rows", v), ("q_cols", q), ("do_cols", dout), ("q_rows", q), ("do_rows", dout),
-                    ("k_cols", k), ("v_cols", v)):
-        assert args[name].base.data_ptr() == t.data_ptr(), name
-    assert args["k_rows"] is args["k_cols"] and args["q_rows"] is args["q_cols"]  # head dim 128: one box for both
+    assert grid_kv == (math.ceil(len_k / 128), 2, 2) and grid_q == (math.ceil(len_q / 128), 8, 2)
+    assert (args_kv["seqlen_r"], args_kv["seqlen_c"]) == (len_k, len_q)
+    assert (args_q["seqlen_r"], args_q["seqlen_c"]) == (len_q, len_k)
+    assert (args_kv["window_left"], args_kv["window_right"]) == (right, left)
+    assert (args_q["window_left"], args_q["window_right"]) == (left, right)
+    assert (meta_kv["MASK_LEFT"], meta_kv["MASK_RIGHT"]) == (right >= 0, left >= 0)
+    assert (meta_q["MASK_LEFT"], meta_q["MASK_RIGHT"]) == (left >= 0, right >= 0)
+    assert meta_kv["DKDV"] and meta_kv["COL_PASSES"] == 4 and not meta_q["DKDV"] and meta_q["COL_PASSES"] == 1
+    assert args_kv["a_desc"].base.data_ptr() == k.data_ptr() and args_kv["c_desc"].base.data_ptr() == q.data_ptr()
+    assert args_q["a_desc"].base.data_ptr() == q.data_ptr() and args_q["d_desc"].base.data_ptr() == v.data_ptr()
     if varlen:  # packed: one batch to the descriptors and the output strides
-        assert args["stride_dqb"] == 0 and args["stride_dkb"] == 0 and args["stride_wb"] == 0
-        assert args["CuSeqlensQ"] is kwargs["cu_seqlens_q"] and args["CuSeqlensK"] is kwargs["cu_seqlens_k"]
+        assert args_kv["stride_1b"] == 0 and args_q["stride_1b"] == 0 and args_q["stride_wb"] == 0
+        assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
 
 
 @pytest.mark.parametrize("rows", [512, 513, 1024, 1025])

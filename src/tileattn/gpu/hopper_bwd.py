@@ -5,7 +5,7 @@
 by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off.
 
 One kernel, one program per block of 128 resident rows (two consumer warpgroups of 64 rows and
-one producer warp), one launch whose programs take one of two roles (the dK/dV ones first):
+one producer warp), launched twice:
 
 * dK/dV: a key block of one key/value head; the query tiles of its GROUP query heads stream
   through the ring. The kernel works in a (rows, columns) frame, so the call is handed over
@@ -76,8 +76,8 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
                     cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
-    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``. One
-    launch: the dK/dV programs, then the dQ ones."""
+    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``. Two
+    launches: dK/dV, then dQ."""
     from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -96,30 +96,25 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     group = nheads // nheads_k
     left, right = params.window_left, params.window_right
     scale = float(params.softmax_scale)
+    common = dict(GROUP=group, IS_VARLEN=varlen)
     rows = (1, ROWS_WG, 1, head_dim)
 
     def strides(t):  # (batch, row, head) strides of an output; packed outputs are one batch
         return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
 
-    # one launch: the dK/dV programs (rows = keys, columns = queries), then the dQ ones (rows =
-    # queries, columns = keys); the kernel swaps lengths and window bounds for the former
-    cols, stages_kv = HOPPER_BWD_TILES["dkdv", head_dim]
-    cols_q, stages_q = HOPPER_BWD_TILES["dq", head_dim]
-    assert cols_q == cols, "the roles share the column ring"
-    col_tile = (1, cols, 1, head_dim)
-    descs = {}
-
-    def desc(t, block):  # a tensor's descriptor, made once when both roles read it in the same box
-        key = (id(t), block)
-        if key not in descs:
-            descs[key] = _descriptor(t, block)
-        return descs[key]
-
-    blocks_kv, blocks_q = cdiv(seqlen_k, 2 * ROWS_WG), cdiv(seqlen_q, 2 * ROWS_WG)
-    n_kv = blocks_kv * nheads_k * batch
-    launch_gluon(_attn_bwd_hopper_kernel, (n_kv + blocks_q * nheads * batch, 1, 1), (
-        desc(k, rows), desc(v, rows), desc(q, col_tile), desc(dout, col_tile), desc(q, rows), desc(dout, rows),
-        desc(k, col_tile), desc(v, col_tile), dq, dk, dv, lse2, delta, cu_seqlens_q, cu_seqlens_k, *strides(dq),
-        *strides(dk), *strides(dv), *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value, left, right, n_kv,
-        blocks_kv, blocks_q, nheads_k, nheads), dict(GROUP=group, IS_VARLEN=varlen, MASK_LEFT=left >= 0,
-                                                     MASK_RIGHT=right >= 0, STAGES_KV=stages_kv, STAGES_Q=stages_q))
+    # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
+    cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
+    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
+        _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
+        _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
+        *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
+        right, left), dict(COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
+                           **common))
+    # dQ: rows = queries, columns = keys
+    cols, stages = HOPPER_BWD_TILES["dq", head_dim]
+    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_q, 2 * ROWS_WG), nheads, batch), (
+        _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
+        _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+        *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
+        left, right), dict(COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
+                           **common))

@@ -28,13 +28,11 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ by programs of their own, per query block, recomputing S and dP (7 matrix products per tile
+dQ by a launch of its own, per query block, recomputing S and dP (7 matrix products per tile
 pair in all, against 5 when the dK/dV program also reduces its dQ share into a workspace, as
 FlashAttention 2/3 do): every gradient element is written once, by one program summing in a
-fixed order, so the gradients are bitwise reproducible, and on the H200 this was faster than
-the bulk reductions in 7 of 8 cases measured, level in the 8th (docs/perf-notes.md). The dQ
-programs share the dK/dV programs' launch (``_attn_bwd_hopper_kernel``: a 1-D grid, dK/dV
-first), so they fill the SMs the last dK/dV wave leaves idle.
+fixed order, so the gradients are bitwise reproducible, and on the H200 the two launches were
+faster than the one with bulk reductions in 7 of 8 cases measured, level in the 8th (docs/perf-notes.md).
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
@@ -50,22 +48,23 @@ from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask
 
 
 @gluon.jit
-def _block(blk, num_blocks, b, CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right,
-           BLOCK_R: gl.constexpr, BLOCK_C: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
-           MASK_RIGHT: gl.constexpr):
-    """The program's rows: (b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, valid).
-    Rows [m_start, m_start + BLOCK_R) of sequence ``b`` (whose packed rows and columns
+def _block(CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, BLOCK_R: gl.constexpr,
+           BLOCK_C: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """The program's rows: (b, b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi,
+    valid). Rows [m_start, m_start + BLOCK_R) of sequence ``b`` (whose packed rows and columns
     start at r_start, c_start), column tiles [n_lo, n_hi); a packed sequence shorter than
     m_start is not valid. Heaviest blocks first (the hardware hands the next program to the
-    first free SM): causal dK/dV's first key blocks, causal dQ's last query blocks (block
-    ``blk`` of ``num_blocks`` is then counted from the end). Every partition calls this."""
+    first free SM): causal dK/dV's first key blocks, causal dQ's last query blocks. Every
+    partition calls this."""
+    blk = gl.program_id(0)
     if MASK_RIGHT and not MASK_LEFT:  # causal dQ: the last rows see the most columns, launch them first
-        blk = num_blocks - 1 - blk
+        blk = gl.num_programs(0) - 1 - blk
     m_start = blk * BLOCK_R
+    b = gl.program_id(2)
     r_start, c_start, seqlen_r, seqlen_c, b_desc = _sequence(CuSeqlensR, CuSeqlensC, b, seqlen_r, seqlen_c, IS_VARLEN)
     n_lo, _, _, n_hi = _tile_range(m_start, BLOCK_R, BLOCK_C, seqlen_r, seqlen_c, window_left, window_right,
                                    MASK_LEFT, MASK_RIGHT)
-    return b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, m_start < seqlen_r
+    return b, b_desc, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, m_start < seqlen_r
 
 
 @gluon.jit
@@ -79,9 +78,8 @@ def _col_head(h_row, g, GROUP: gl.constexpr, DKDV: gl.constexpr):
 
 
 @gluon.jit
-def _producer(blk, num_blocks, h_row, b, a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, bars,
-              CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, GROUP: gl.constexpr,
-              COL_PASSES: gl.constexpr,
+def _producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensR, CuSeqlensC,
+              seqlen_r, seqlen_c, window_left, window_right, GROUP: gl.constexpr, COL_PASSES: gl.constexpr,
               DKDV: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               STAGES: gl.constexpr):
     """The load warp: each warpgroup's A and B rows, then C and D tile by tile, for each of the
@@ -90,10 +88,11 @@ def _producer(blk, num_blocks, h_row, b, a_desc, b_desc, c_desc, d_desc, a_smem,
     r_full, c_full, d_full, empty = bars
     ROWS_WG: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_C: gl.constexpr = c_desc.block_type.shape[1]
-    bd, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, valid = _block(
-        blk, num_blocks, b, CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, 2 * ROWS_WG,
-        BLOCK_C, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    b, bd, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, valid = _block(
+        CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, 2 * ROWS_WG, BLOCK_C, IS_VARLEN,
+        MASK_LEFT, MASK_RIGHT)
     if valid:
+        h_row = gl.program_id(1)
         for wg in gl.static_range(2):
             row = r_start + m_start + wg * ROWS_WG
             mbarrier.expect(r_full.index(wg), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -142,8 +141,8 @@ def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, strid
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, blk, num_blocks, h_row, b, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2,
-              Delta, CuSeqlensR, CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
+def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta,
+              CuSeqlensR, CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
               stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP: gl.constexpr,
               COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
@@ -163,10 +162,11 @@ def _consumer(WG: gl.constexpr, blk, num_blocks, h_row, b, a_smem, b_smem, c_rin
     col_x: gl.constexpr = gl.SliceLayout(0, x_layout)
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     x_zero = gl.zeros([ROWS, BLOCK_C], gl.float32, layout=x_layout)
-    bd, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, valid = _block(
-        blk, num_blocks, b, CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, 2 * ROWS,
-        BLOCK_C, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    b, bd, m_start, r_start, c_start, seqlen_r, seqlen_c, n_lo, n_hi, valid = _block(
+        CuSeqlensR, CuSeqlensC, seqlen_r, seqlen_c, window_left, window_right, 2 * ROWS, BLOCK_C, IS_VARLEN,
+        MASK_LEFT, MASK_RIGHT)
     if valid:
+        h_row = gl.program_id(1)
         row0 = m_start + WG * ROWS
         _, full_lo, full_hi, _ = _tile_range(row0, ROWS, BLOCK_C, seqlen_r, seqlen_c, window_left, window_right,
                                              MASK_LEFT, MASK_RIGHT)
@@ -237,94 +237,28 @@ def _consumer(WG: gl.constexpr, blk, num_blocks, h_row, b, a_smem, b_smem, c_rin
 
 
 @gluon.jit
-def _role(roles):
-    """(is_kv, blk, num_blocks, h_row, b) of this program, ``roles`` = (n_kv, blocks_kv, blocks_q,
-    nheads_k, nheads): the dK/dV programs come first, then the dQ ones; within a role (block,
-    head, batch) with blocks fastest, as a 3-D grid would."""
-    n_kv, blocks_kv, blocks_q, nheads_k, nheads = roles
-    pid = gl.program_id(0)
-    is_kv = pid < n_kv
-    if is_kv:
-        num_blocks = blocks_kv
-        heads = nheads_k
-    else:
-        pid = pid - n_kv
-        num_blocks = blocks_q
-        heads = nheads
-    return is_kv, pid % num_blocks, num_blocks, (pid // num_blocks) % heads, pid // (num_blocks * heads)
-
-
-@gluon.jit
-def _producer_roles(kv_descs, q_descs, a_smem, b_smem, c_ring, d_ring, bars, roles, CuSeqlensQ, CuSeqlensK,
-                    seqlen_q, seqlen_k, window_left, window_right, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES_KV: gl.constexpr,
-                    STAGES_Q: gl.constexpr):
-    """The load warp of either role (dK/dV in the transposed frame: lengths, window bounds and
-    mask flags swapped)."""
-    is_kv, blk, num_blocks, h_row, b = _role(roles)
-    if is_kv:
-        _producer(blk, num_blocks, h_row, b, kv_descs[0], kv_descs[1], kv_descs[2], kv_descs[3], a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensK,
-                  CuSeqlensQ, seqlen_k, seqlen_q, window_right, window_left, GROUP, GROUP, True, IS_VARLEN,
-                  MASK_RIGHT, MASK_LEFT, STAGES_KV)
-    else:
-        _producer(blk, num_blocks, h_row, b, q_descs[0], q_descs[1], q_descs[2], q_descs[3], a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensQ,
-                  CuSeqlensK, seqlen_q, seqlen_k, window_left, window_right, GROUP, 1, False, IS_VARLEN,
-                  MASK_LEFT, MASK_RIGHT, STAGES_Q)
-
-
-@gluon.jit
-def _consumer_roles(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, roles, dQ, dK, dV, Lse2, Delta,
-                    CuSeqlensQ, CuSeqlensK, dq_strides, dk_strides, dv_strides, stride_wb, stride_wh, seqlen_q,
-                    seqlen_k, scale, scale_log2, window_left, window_right, GROUP: gl.constexpr,
-                    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                    STAGES_KV: gl.constexpr, STAGES_Q: gl.constexpr):
-    """Consumer warpgroup ``WG`` of either role."""
-    is_kv, blk, num_blocks, h_row, b = _role(roles)
-    if is_kv:
-        _consumer(WG, blk, num_blocks, h_row, b, a_smem, b_smem, c_ring, d_ring, bars, dK, dV, Lse2, Delta,
-                  CuSeqlensK, CuSeqlensQ, dk_strides[0], dk_strides[1], dk_strides[2], dv_strides[0],
-                  dv_strides[1], dv_strides[2], stride_wb, stride_wh, seqlen_k, seqlen_q,
-                  scale, scale_log2, window_right, window_left, GROUP, GROUP, True, IS_VARLEN, MASK_RIGHT,
-                  MASK_LEFT, STAGES_KV)
-    else:
-        _consumer(WG, blk, num_blocks, h_row, b, a_smem, b_smem, c_ring, d_ring, bars, dQ, dQ, Lse2, Delta,
-                  CuSeqlensQ, CuSeqlensK, dq_strides[0], dq_strides[1], dq_strides[2], 0, 0, 0, stride_wb, stride_wh, seqlen_q, seqlen_k,
-                  scale, scale_log2, window_left, window_right, GROUP, 1, False, IS_VARLEN, MASK_LEFT,
-                  MASK_RIGHT, STAGES_Q)
-
-
-@gluon.jit
 def _attn_bwd_hopper_kernel(
-    k_rows, v_rows, q_cols, do_cols, q_rows, do_rows, k_cols, v_cols, dQ, dK, dV, Lse2, Delta, CuSeqlensQ,
-    CuSeqlensK, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-    stride_dvh, stride_wb, stride_wh, seqlen_q, seqlen_k, scale, scale_log2, window_left, window_right, n_kv,
-    blocks_kv, blocks_q, nheads_k, nheads,
-    GROUP: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-    STAGES_KV: gl.constexpr, STAGES_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    a_desc, b_desc, c_desc, d_desc, Out1, Out2, Lse2, Delta, CuSeqlensR, CuSeqlensC,
+    stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb, stride_wh,
+    seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right,
+    GROUP: gl.constexpr, COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One launch, two roles (1-D grid): the first ``n_kv`` = blocks_kv x nheads_k x batch
-    programs compute dK, dV of 128 keys of one key/value head (rows = keys, ``COL_PASSES`` = GROUP
-    query heads walked in order: descriptors ``k_rows, v_rows`` of the rows and ``q_cols,
-    do_cols`` of the streamed columns); the rest, blocks_q x nheads x batch, dQ of 128 query rows
-    of one query head (``q_rows, do_rows``; ``k_cols, v_cols``). The roles share the rows tiles,
-    the column ring (``max(STAGES_KV, STAGES_Q)`` slots, each role using its own count) and the
-    barriers, so the launcher gives both the same tile shapes. The window and the MASK flags are
-    the queries' (the dK/dV role swaps them, see the module docstring). Lse2, Delta: the
-    preprocess's (batch, heads, seqlen_q) or packed (heads, tokens) workspaces, ``stride_wb`` = 0
-    when packed. ``IS_VARLEN``: the descriptors view packed (tokens, heads, dim) tensors as
-    batch 1; sequence b owns queries CuSeqlensQ[b]:CuSeqlensQ[b + 1] and keys likewise, and
-    ``seqlen_q/k`` are the longest.
-
-    One launch instead of two (dK/dV, then dQ): the dQ programs fill the SMs that the last wave
-    of dK/dV programs leaves idle, and there is one launch gap less."""
+    """Program (row block, row head, batch): dQ of 128 query rows of one query head
+    (``DKDV=False``, Out1 = dq) or dK, dV of 128 keys of one key/value head (``DKDV=True``, Out1 =
+    dk, Out2 = dv, ``COL_PASSES`` = GROUP query heads walked in order), in the frame of the module
+    docstring: ``seqlen_r/c``, the window and the MASK flags are the rows' and columns' (swapped
+    by the launcher for dK/dV). Lse2, Delta: the preprocess's (batch, heads, seqlen_q) or packed
+    (heads, tokens) workspaces, ``stride_wb`` = 0 when packed. ``IS_VARLEN``: the descriptors
+    view packed (tokens, heads, dim) tensors as batch 1; sequence b owns rows
+    CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    STAGES: gl.constexpr = STAGES_KV if STAGES_KV > STAGES_Q else STAGES_Q
-    dtype: gl.constexpr = k_rows.dtype
-    a_smem = gl.allocate_shared_memory(dtype, [2] + k_rows.block_type.shape, k_rows.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [2] + v_rows.block_type.shape, v_rows.layout)
-    c_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_cols.block_type.shape, q_cols.layout)
-    d_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_cols.block_type.shape, do_cols.layout)
+    dtype: gl.constexpr = a_desc.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [2] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [2] + b_desc.block_type.shape, b_desc.layout)
+    c_ring = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    d_ring = gl.allocate_shared_memory(dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
     r_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     c_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     d_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -336,20 +270,16 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(d_full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     bars = (r_full, c_full, d_full, empty)
-    roles = (n_kv, blocks_kv, blocks_q, nheads_k, nheads)
-    dq_strides = (stride_dqb, stride_dqs, stride_dqh)
-    dk_strides = (stride_dkb, stride_dks, stride_dkh)
-    dv_strides = (stride_dvb, stride_dvs, stride_dvh)
     gl.warp_specialize([
-        (_consumer_roles, (0, a_smem, b_smem, c_ring, d_ring, bars, roles, dQ, dK, dV, Lse2, Delta, CuSeqlensQ,
-                           CuSeqlensK, dq_strides, dk_strides, dv_strides, stride_wb, stride_wh, seqlen_q, seqlen_k,
-                           scale, scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT,
-                           STAGES_KV, STAGES_Q)),
-        (_consumer_roles, (1, a_smem, b_smem, c_ring, d_ring, bars, roles, dQ, dK, dV, Lse2, Delta, CuSeqlensQ,
-                           CuSeqlensK, dq_strides, dk_strides, dv_strides, stride_wb, stride_wh, seqlen_q, seqlen_k,
-                           scale, scale_log2, window_left, window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT,
-                           STAGES_KV, STAGES_Q)),
-        (_producer_roles, ((k_rows, v_rows, q_cols, do_cols), (q_rows, do_rows, k_cols, v_cols), a_smem, b_smem,
-                           c_ring, d_ring, bars, roles, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, window_left,
-                           window_right, GROUP, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES_KV, STAGES_Q)),
+        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
+                     CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
+                     stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
+                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
+                     CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
+                     stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
+                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_producer, (a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensR, CuSeqlensC,
+                     seqlen_r, seqlen_c, window_left, window_right, GROUP, COL_PASSES, DKDV, IS_VARLEN, MASK_LEFT,
+                     MASK_RIGHT, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
