@@ -385,7 +385,8 @@ def hopper_partials_cases():
 
 
 def hopper_bwd_cases():
-    """The Gluon backward through its launcher (dK/dV, then dQ): each head dim and 16-bit dtype, no mask, causal
+    """The Gluon backward through its launcher (dK/dV with dQ's reductions at head dim 128, else or when
+    deterministic dK/dV then dQ): each head dim and 16-bit dtype, no mask, causal
     (bottom-right, seqlen_q != seqlen_k) and a causal window, GQA 1/2/4, dense and packed (causal
     or not)."""
     g = torch.Generator().manual_seed(3)
@@ -406,6 +407,11 @@ def hopper_bwd_cases():
                 name = f"hopper bwd {dtype} d{d} window ({left}, {right}) GQA {group}{' varlen' if varlen else ''}"
                 grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
                 cases.append((name, (dout, q, k, v, *grads, ws, ws.clone()), kwargs))
+    # deterministic: dK/dV then dQ, two launches, at head dim 128 too (else one launch reducing dQ)
+    for left, right, group, varlen in ((-1, 0, 4, False), (-1, -1, 1, True)):
+        name, tensors, kwargs = next(c for c in cases if c[0] == f"hopper bwd torch.bfloat16 d128 window ({left}, {right})"
+                                     f" GQA {group}{' varlen' if varlen else ''}")
+        cases.append((name + " deterministic", tensors, dict(kwargs, deterministic=True)))
     # fp32 gradients (the ring's accumulators), stored from the accumulator's layout
     for d in sorted({d for _, d in hopper_bwd_launcher.HOPPER_BWD_TILES}):
         q, k, v, dout = (torch.randn(2, 300, 8, d, generator=g).to(torch.bfloat16) for _ in range(4))

@@ -51,7 +51,7 @@ def _backward(dout, q, k, v, out, lse, params, grad_dtype=None, **kwargs):
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
-         layout="bshd", sink=False, grad_dtype=None):
+         layout="bshd", sink=False, grad_dtype=None, deterministic=False):
     gen = torch.Generator().manual_seed(seed)
 
     def t(s, h):
@@ -68,7 +68,7 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
     out = torch.from_numpy(out64).to(dtype).cuda()
     lse = torch.from_numpy(lse64).float().cuda()
     params = AttnParams(head_dim**-0.5, window[0], 0 if causal else window[1])
-    kwargs = {}
+    kwargs = dict(deterministic=deterministic)
     if sink:
         kwargs.update(learnable_sink=learnable_sink.cuda(), dsink=torch.full((nheads,), float("nan"), device="cuda"))
     fast = _backward(dout, q, k, v, out, lse, params, grad_dtype, **kwargs)
@@ -101,12 +101,15 @@ def test_hopper_rows_without_keys(head_dim):
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_hopper_gqa(group, causal):
-    """A key/value head's dK/dV program walks the query tiles of its whole group; a query head's
-    dQ program reads its group's key/value head."""
-    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal)
+def test_hopper_gqa(group, causal, deterministic):
+    """A key/value head's dK/dV program walks the query tiles of its whole group (and, at head
+    dim 128 unless deterministic, reduces each query head's dQ share into its columns); a query
+    head's dQ program reads its group's key/value head."""
+    _run(group + 10 * causal, 2, 300, 300, 8, 8 // group, 128, torch.bfloat16, causal=causal,
+         deterministic=deterministic)
 
 
 @pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
@@ -131,20 +134,25 @@ def test_hopper_fp32_gradients(head_dim):
 
 
 def test_hopper_deterministic():
-    """No reductions, one tile config: two runs give bitwise the same gradients, the second
-    launched straight to the compiled kernels (``launch_gluon``: dK/dV and dQ)."""
+    """``deterministic=True``: no reductions, one tile config: two runs give bitwise the same
+    gradients, the second launched straight to the compiled kernels (``launch_gluon``: dK/dV and
+    dQ); without it, head dim 128 is one launch (dK/dV with dQ's reductions)."""
     from tileattn.gpu import _launch
     from tileattn.kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     def fast_calls():
         return sum(launch.fast_calls for key, launch in _launch._LAUNCHES.items() if key[0] is _attn_bwd_hopper_kernel)
 
-    first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    first = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
     before = fast_calls()
-    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    second = _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True, deterministic=True)
     assert fast_calls() == before + 2, "the second backward went through JITFunction.run"
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    before = fast_calls()
+    _run(31, 1, 777, 777, 8, 2, 128, torch.bfloat16, causal=True)
+    assert fast_calls() == before + 1, "dQ's reductions: one launch"
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -163,12 +171,13 @@ def test_hopper_long(causal):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal, group", [(False, 1), (True, 1), (True, 4)])
-def test_hopper_varlen(causal, group):
+def test_hopper_varlen(causal, group, deterministic):
     """Packed sequences (zero-length ones, lengths 1 and prime, keys longer and shorter than
     queries): tiles running past a sequence's end read the next one's rows, which must not leak
-    in (dK/dV: their lse2 is +inf, so P = 0; dQ: the last key tile is masked), and no program may
-    write another sequence's rows. Per-sequence references."""
+    in (dK/dV: their lse2 is +inf, so P = 0; dQ: the last key tile is masked; dQ's reductions: the
+    next sequence's keys get dS = 0), and no program may write another sequence's rows. Per-sequence references."""
     gen = torch.Generator().manual_seed(group + 10 * causal)
     lens_q = [300, 0, 129, 1023, 1, 640, 5]
     lens_k = [300, 5, 257, 1023, 0, 200, 0]
@@ -195,7 +204,7 @@ def test_hopper_varlen(causal, group):
     params = AttnParams(head_dim**-0.5, -1, 0 if causal else -1)
     fast = _backward(dout.cuda(), q.cuda(), k.cuda(), v.cuda(), out.cuda(), lse.cuda(), params,
                      cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(), max_seqlen_q=max(lens_q),
-                     max_seqlen_k=max(lens_k))
+                     max_seqlen_k=max(lens_k), deterministic=deterministic)
     for name, f, p, r in zip(("dq", "dk", "dv"), fast, plain, ref):
         assert_within(name, f, p, r, factor=GRAD_FACTOR)
 

@@ -79,8 +79,10 @@ class _Record:
 @pytest.mark.parametrize("window, varlen", [((-1, -1), False), ((-1, 0), False), ((64, 0), False),
                                             ((-1, 0), True)])
 def test_launches(monkeypatch, window, varlen):
-    """Two launches: dK/dV in the transposed frame (rows = keys: lengths, window bounds and mask
-    flags swapped; GROUP column passes) and dQ (rows = queries)."""
+    """``deterministic``: two launches, dK/dV in the transposed frame (rows = keys: lengths, window
+    bounds and mask flags swapped; GROUP column passes) and dQ (rows = queries). Otherwise (head
+    dim 128) the dK/dV launch alone, reducing dQ into an fp32 (tokens, heads x dim) workspace
+    through a descriptor of half the columns."""
     record = _Record(attn_bwd_hopper._attn_bwd_hopper_kernel)
     monkeypatch.setattr(attn_bwd_hopper, "_attn_bwd_hopper_kernel", record)
     dout, q, k, v, _, _ = _tensors(batch=2, seqlen_q=300, seqlen_k=350, nheads=8, nheads_k=2, d=128)
@@ -94,7 +96,7 @@ def test_launches(monkeypatch, window, varlen):
     left, right = window
     params = AttnParams(0.1, left, right)
     hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
-                               ws.clone(), params=params, **kwargs)
+                               ws.clone(), params=params, deterministic=True, **kwargs)
     (grid_kv, args_kv, meta_kv), (grid_q, args_q, meta_q) = record.launches
     len_q, len_k = (500, 370) if varlen else (300, 350)
     assert grid_kv == (math.ceil(len_k / 128), 2, 2) and grid_q == (math.ceil(len_q / 128), 8, 2)
@@ -107,9 +109,17 @@ def test_launches(monkeypatch, window, varlen):
     assert meta_kv["DKDV"] and meta_kv["COL_PASSES"] == 4 and not meta_q["DKDV"] and meta_q["COL_PASSES"] == 1
     assert args_kv["a_desc"].base.data_ptr() == k.data_ptr() and args_kv["c_desc"].base.data_ptr() == q.data_ptr()
     assert args_q["a_desc"].base.data_ptr() == q.data_ptr() and args_q["d_desc"].base.data_ptr() == v.data_ptr()
+    assert not meta_kv["DQ_REDUCE"] and not meta_q["DQ_REDUCE"] and args_kv["dq_desc"] is None
     if varlen:  # packed: one batch to the descriptors and the output strides
         assert args_kv["stride_1b"] == 0 and args_q["stride_1b"] == 0 and args_q["stride_wb"] == 0
         assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
+    record.launches.clear()
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
+                               ws.clone(), params=params, **kwargs)
+    ((grid, args, meta),) = record.launches
+    assert grid == grid_kv and meta["DQ_REDUCE"] and meta["DKDV"] and meta["COL_PASSES"] == 4
+    tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
+    assert list(args["dq_desc"].shape) == [tokens, 8 * 128] and list(args["dq_desc"].block_shape) == [64, 64]
 
 
 @pytest.mark.parametrize("rows", [512, 513, 1024, 1025])

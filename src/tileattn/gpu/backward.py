@@ -123,8 +123,10 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
 
     On Hopper, where ``hopper_bwd_reason`` allows (sm_90, fp16/bf16, head dim 64 or 128, no
     softcap, ALiBi or dropout; ``TILEATTN_HOPPER=0`` turns it off), the Gluon kernels of
-    ``gpu/hopper_bwd.py`` replace the dK/dV and dQ launches (same preprocess). They too write
-    every element once in a fixed order with one tile config: bitwise reproducible as well.
+    ``gpu/hopper_bwd.py`` replace the dK/dV and dQ launches (same preprocess). At head dim 128
+    their dK/dV programs also add dQ's shares to an fp32 workspace by reductions, whose order varies
+    from run to run; ``deterministic=True`` takes their two-launch form instead, which writes every
+    element once in a fixed order with one tile config: bitwise reproducible as well.
     """
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
@@ -153,6 +155,7 @@ class BwdPlan:
         (do_stride, q_shape, q_stride, k_shape, k_stride, head_dim_v, v_stride, o_stride, lse_shape, lse_stride,
          dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, dlse, sink, max_seqlen_q, max_seqlen_k,
          window_left, window_right, has_softcap, has_dropout, deterministic, self.hopper) = key
+        self.deterministic = deterministic
         q_dtype = dtypes[0]
         varlen = cu_q is not None
         head_dim = q_shape[-1]
@@ -246,7 +249,7 @@ class BwdPlan:
         if self.hopper:
             hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
-                            max_seqlen_k=self.max_seqlens[1])
+                            max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
         for kernel in self.kernels:
             grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,

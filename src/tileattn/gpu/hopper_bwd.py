@@ -12,7 +12,10 @@ one producer warp), launched twice:
   transposed: rows = keys, columns = queries, lengths and window bounds swapped;
 * dQ: a query block of one query head; its key/value head's key tiles stream (S and dP
   recomputed: 7 matrix products per tile pair in all, every gradient element written once, so
-  the gradients are bitwise reproducible whatever ``deterministic`` says).
+  the gradients are bitwise reproducible). At head dim 128 this launch runs only with
+  ``deterministic``: otherwise the dK/dV programs add each query tile's dQ share to an fp32
+  workspace by bulk reductions (5 products per tile pair; ``("dkdv+dq", 128)``: 64-query tiles,
+  2 stages, 192 KB with the two dS^T tiles and the two fp32 staging tiles).
 
 Tiles per (kind, head dim): (column tile, STAGES), the best of a sweep on the H200 (bwd-only
 TFLOP/s at 8k tokens, hidden 2048, docs/perf-notes.md). Shared memory = the rows' two tiles (2 x
@@ -39,7 +42,8 @@ from .hopper import _descriptor, _tma_ok, device_reason, launch_gluon, options_r
 __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
-HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3)}
+HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3),
+                    ("dkdv+dq", 128): (64, 2)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -73,11 +77,24 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     return None
 
 
+def _fp32_descriptor(t: torch.Tensor, block: tuple[int, ...]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block),
+                            gl.NVMMASharedLayout.get_default_for(list(block), gl.float32))
+
+
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+                    cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                    deterministic: bool = False) -> None:
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
-    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``. Two
-    launches: dK/dV, then dQ."""
+    (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
+
+    At head dim 128, unless ``deterministic``: one launch, dK/dV, whose programs also add their
+    keys' share of dQ to an fp32 workspace by bulk reductions (5 matrix products per tile; the
+    order of the additions varies from run to run), then dq = workspace x scale. Otherwise two
+    launches, dK/dV then dQ (7 products, bitwise reproducible)."""
     from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -103,18 +120,27 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
         return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
 
     # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
-    cols, stages = HOPPER_BWD_TILES["dkdv", head_dim]
+    reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES
+    cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
+    dq_desc = None
+    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces half the columns
+        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
     launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
-        _descriptor(dout, (1, cols, 1, head_dim)), dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
+        _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
         *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
-        right, left), dict(COL_PASSES=group, DKDV=True, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0, STAGES=stages,
-                           **common))
+        right, left), dict(COL_PASSES=group, DKDV=True, DQ_REDUCE=reduce, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0,
+                           STAGES=stages, **common))
+    if reduce:
+        torch.mul(dq_acc, scale, out=dq_acc)
+        dq.copy_(dq_acc)
+        return
     # dQ: rows = queries, columns = keys
     cols, stages = HOPPER_BWD_TILES["dq", head_dim]
     launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_q, 2 * ROWS_WG), nheads, batch), (
         _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
-        _descriptor(v, (1, cols, 1, head_dim)), dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+        _descriptor(v, (1, cols, 1, head_dim)), None, dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
-        left, right), dict(COL_PASSES=1, DKDV=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, STAGES=stages,
-                           **common))
+        left, right), dict(COL_PASSES=1, DKDV=False, DQ_REDUCE=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0,
+                           STAGES=stages, **common))

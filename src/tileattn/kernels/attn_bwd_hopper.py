@@ -28,11 +28,13 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ by a launch of its own, per query block, recomputing S and dP (7 matrix products per tile
-pair in all, against 5 when the dK/dV program also reduces its dQ share into a workspace, as
-FlashAttention 2/3 do): every gradient element is written once, by one program summing in a
-fixed order, so the gradients are bitwise reproducible, and on the H200 the two launches were
-faster than the one with bulk reductions in 7 of 8 cases measured, level in the 8th (docs/perf-notes.md).
+dQ, two ways. ``DQ_REDUCE`` (dK/dV at head dim 128, the default): the dK/dV program also forms
+each query tile's dQ share, dS K, and adds it to an fp32 workspace with bulk asynchronous
+reductions from shared memory (``_reduce_add``), 5 matrix products per tile pair as in
+FlashAttention 2/3; the order of the additions varies from run to run. Otherwise (head dim 64,
+or ``deterministic``) a launch of its own computes dQ per query block, recomputing S and dP (7
+products in all): every gradient element is written once, by one program summing in a fixed
+order, so the gradients are bitwise reproducible (docs/perf-notes.md has both measured).
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
@@ -42,9 +44,23 @@ masked range); rows past the end are computed and not stored.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask
+
+
+@builtin
+def _reduce_add(desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` to the tile of ``desc`` at ``coord`` with one bulk
+    asynchronous reduction (``cp.reduce.async.bulk.tensor ... .add``), in the bulk group that
+    ``tma.store_wait`` counts, as ``tma.async_copy_shared_to_global`` does for a copy. Gluon's
+    ``hopper.tma`` of Triton 3.6 has no such call; its builder has the op."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -141,13 +157,21 @@ def _store_rows(ptr, acc, smem, b, h, row0, rows_left, stride_b, stride_s, strid
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta,
+def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, dq_desc, Out1, Out2, Lse2, Delta,
               CuSeqlensR, CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
               stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP: gl.constexpr,
-              COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
+              COL_PASSES: gl.constexpr, DKDV: gl.constexpr, DQ_REDUCE: gl.constexpr, IS_VARLEN: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of the program's block, over every column tile
-    the block sees (tiles outside this warpgroup's own range are masked whole, P = 0)."""
+    the block sees (tiles outside this warpgroup's own range are masked whole, P = 0).
+
+    ``DQ_REDUCE`` (dK/dV at head dim 128): per column tile, both warpgroups put their dS^T rows
+    into one shared [128 keys, BLOCK_C] tile (two such tiles, used in turn, each with an mbarrier
+    both arrive on); each then forms half of the tile's dQ columns over all 128 keys, dS K[:, half],
+    puts it in its own fp32 staging tile and hands it to the copy engine as a bulk reduction into
+    ``dq_desc``'s workspace, waited for only when the staging tile is next written. A warpgroup
+    overwrites a dS^T tile two column tiles later, after the other arrived for the tile between,
+    so after the other's products read it."""
     r_full, c_full, d_full, empty = bars
     ROWS: gl.constexpr = a_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = a_smem.type.shape[4]
@@ -181,6 +205,15 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2
             w_rows = b.to(gl.int64) * stride_wb + h_row.to(gl.int64) * stride_wh + r_start + r_pos
             lse2 = gl.load(Lse2 + w_rows, mask=r_pos < seqlen_r, other=float("inf"))  # [ROWS]
             delta = gl.load(Delta + w_rows, mask=r_pos < seqlen_r, other=0.0)  # [ROWS]
+        if DQ_REDUCE:
+            ds_smem, ds_ready, dq_stage = dq_bufs
+            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # the dQ columns this warpgroup reduces: half
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, DQ_N, 16])
+            dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
+            dq_row0 = bd * seqlen_c + c_start  # the first query's row of the (tokens, heads x dim) workspace
+            stage = dq_stage.index(WG)  # [BLOCK_C, DQ_N] fp32
+            mbarrier.wait(r_full.index(1 - WG), 0)  # the other warpgroup's k rows are read too
         mbarrier.wait(r_full.index(WG), 0)
         c = 0  # column tiles consumed so far
         for g in range(COL_PASSES):
@@ -220,16 +253,46 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2
                     p = gl.exp2(x * scale_log2 - lse2[:, None])  # [ROWS, BLOCK_C] P
                     y = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok,))
                     ds = p * (y - delta[:, None])  # [ROWS, BLOCK_C] dS
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                if DQ_REDUCE and IS_VARLEN:
+                    if row0 + ROWS > seqlen_r:  # keys past the sequence's end are the next one's: not in its dQ
+                        ds = gl.where((r_pos < seqlen_r)[:, None], ds, 0.0)
+                ds16 = ds.to(dtype)
+                ds_op = gl.convert_layout(ds16, op_layout)
                 acc1 = warpgroup_mma(ds_op, c_tile, acc1, is_async=True)  # dK += dS^T Q or dQ += dS K
                 # the register operands stay live until their products are done
-                if DKDV:
+                if DQ_REDUCE:
+                    u = c % 2
+                    ds_buf = ds_smem.index(u)  # [2 * ROWS, BLOCK_C]
+                    ds_buf.slice(WG * ROWS, ROWS, dim=0).store(ds16)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every thread's rows stored before the (single) arrival
+                    mbarrier.arrive(ds_ready.index(u), count=1)
+                    mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
+                    dq = dq_zero  # sum over w of dS[:, keys of w] K[keys of w, this warpgroup's half]
+                    for w in gl.static_range(2):  # a 64-column half: one 128-byte swizzle atom of k's rows
+                        k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
+                        dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
+                                           use_acc=w > 0, is_async=True)
+                    dq, acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                                     deps=(dq, acc1, acc2, p_op, ds_op))
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    tma.store_wait(0)  # the previous tile's reduction has read the staging tile
+                    gl.thread_barrier()
+                    stage.store(dq)
+                    fence_async_shared()
+                    gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk reduction
+                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], stage)
+                elif DKDV:
                     acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
+                    mbarrier.arrive(empty.index(slot), count=1)
                 else:
                     acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
-                mbarrier.arrive(empty.index(slot), count=1)
+                    mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
-        # both through this warpgroup's B tile, free after its last product
+        if DQ_REDUCE:
+            tma.store_wait(0)  # the staging tile is read before the program ends
+        # both through this warpgroup's B tile, free after its last product (with DQ_REDUCE the other
+        # warpgroup may still read this one's A tile, k, not its B tile)
         rows_left = seqlen_r - row0
         _store_rows(Out1, acc1 * scale, b_tile, b, h_row, r_start + row0, rows_left, stride_1b, stride_1s, stride_1h)
         if DKDV:
@@ -238,11 +301,11 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(
-    a_desc, b_desc, c_desc, d_desc, Out1, Out2, Lse2, Delta, CuSeqlensR, CuSeqlensC,
+    a_desc, b_desc, c_desc, d_desc, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR, CuSeqlensC,
     stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb, stride_wh,
     seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right,
-    GROUP: gl.constexpr, COL_PASSES: gl.constexpr, DKDV: gl.constexpr, IS_VARLEN: gl.constexpr,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr, COL_PASSES: gl.constexpr, DKDV: gl.constexpr, DQ_REDUCE: gl.constexpr,
+    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program (row block, row head, batch): dQ of 128 query rows of one query head
@@ -252,13 +315,27 @@ def _attn_bwd_hopper_kernel(
     by the launcher for dK/dV). Lse2, Delta: the preprocess's (batch, heads, seqlen_q) or packed
     (heads, tokens) workspaces, ``stride_wb`` = 0 when packed. ``IS_VARLEN``: the descriptors
     view packed (tokens, heads, dim) tensors as batch 1; sequence b owns rows
-    CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest."""
+    CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest.
+
+    ``DQ_REDUCE`` (with DKDV): the program also adds its keys' share of dQ (unscaled) to the fp32
+    workspace behind ``dq_desc``, a (batch x seqlen_q or tokens, heads x head_dim) matrix, so no
+    dQ launch is needed; columns past a sequence's end add exact zeros (their P is 0)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [2] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [2] + b_desc.block_type.shape, b_desc.layout)
     c_ring = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
     d_ring = gl.allocate_shared_memory(dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+    if DQ_REDUCE:  # two [128 keys, BLOCK_C] dS^T tiles with their barriers, one fp32 dQ staging tile per warpgroup
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * a_desc.block_type.shape[1], c_desc.block_type.shape[1]],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' rows are in
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_bufs = (ds_smem, ds_ready, dq_stage)
+    else:
+        dq_bufs: gl.constexpr = None
     r_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     c_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     d_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -271,14 +348,14 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     bars = (r_full, c_full, d_full, empty)
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
+        (_consumer, (0, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
-                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
-        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, Out1, Out2, Lse2, Delta, CuSeqlensR,
+                     DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+        (_consumer, (1, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, dq_desc, Out1, Out2, Lse2, Delta, CuSeqlensR,
                      CuSeqlensC, stride_1b, stride_1s, stride_1h, stride_2b, stride_2s, stride_2h, stride_wb,
                      stride_wh, seqlen_r, seqlen_c, scale, scale_log2, window_left, window_right, GROUP, COL_PASSES,
-                     DKDV, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
+                     DKDV, DQ_REDUCE, IS_VARLEN, MASK_LEFT, MASK_RIGHT, STAGES)),
         (_producer, (a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_ring, d_ring, bars, CuSeqlensR, CuSeqlensC,
                      seqlen_r, seqlen_c, window_left, window_right, GROUP, COL_PASSES, DKDV, IS_VARLEN, MASK_LEFT,
                      MASK_RIGHT, STAGES)),
