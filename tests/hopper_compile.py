@@ -177,11 +177,6 @@ def forward_cases():
         params=AttnParams(128**-0.5, -1, 0), seqused_k=torch.tensor([5, 60, 100, 192], dtype=torch.int32),
         block_table=table, max_seqlen_q=1, max_seqlen_k=192, num_splits=4, k_descale=torch.rand(4, 8),
         v_descale=torch.rand(4, 8))))
-    # the largest FP8 decode tile: 128 keys x 256, staged in e4m3 and the value tile again in fp16
-    cache = t(2, 512, 2, 256).to(torch.float8_e4m3fn)
-    cases.append(("fp8 decode d256 contiguous GQA split", t(2, 2, 8, 256), cache, cache.clone(), dict(
-        params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32), max_seqlen_q=2,
-        max_seqlen_k=512, num_splits=2, k_descale=torch.rand(2, 2), v_descale=torch.rand(2, 2))))
     return cases + mla_cases(t, g)
 
 

@@ -70,26 +70,6 @@ def _tile_pages(tbl, start_n, offs_n, seqlen_k, PAGE_SIZE: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _fp8_to_fp16(b_x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """An e4m3 tile [ROWS, COLS] as fp16 (exact), converted in the layout it was read in.
-
-    For the value tile (the B operand of ``P V``, keys its reduction dimension) this matters: Triton
-    reads such an operand from shared memory with ``ldmatrix.trans`` when it is 16-bit, byte by byte
-    when it is 8-bit, and a plain ``.to(tl.float16)`` before the product is elementwise, so layout
-    propagation moves the operand layout back through it to the 8-bit read. The reshapes, permutes,
-    split and join below are not elementwise: the tile is read in its load layout (16 bytes wide),
-    converted there, stored to shared memory as fp16 and read back with ``ldmatrix.trans`` (sm_90
-    SASS of the 128-key decode tile: 128 one-byte LDS per tile loop -> 16 ``LDSM.MT88``; perf-notes).
-    Column ``4w + 2h + b`` sits at ``[w, b, h]``: each half word's byte pair ``b = 0, 1`` stays
-    together, so one ``cvt.rn.f16x2.e4m3x2`` converts it without repacking.
-    """
-    pairs = tl.permute(tl.reshape(b_x, ROWS, COLS // 4, 2, 2), (0, 1, 3, 2))  # [ROWS, COLS // 4, 2 (b), 2 (h)]
-    lo, hi = tl.split(pairs)  # [ROWS, COLS // 4, 2]: the byte pairs of each word's low and high half
-    b_y = tl.join(lo.to(tl.float16), hi.to(tl.float16))  # [ROWS, COLS // 4, 2 (b), 2 (h)]
-    return tl.reshape(tl.permute(b_y, (0, 1, 3, 2)), ROWS, COLS)  # [ROWS, COLS]
-
-
-@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage, stride_vpage, stride_kn,
                     stride_vn, tile_lo, tile_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                     window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
@@ -170,8 +150,6 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
             b_v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_V_PAD]
         else:
             b_v = tl.load(v_ptrs)
-        if b_v.dtype == tl.float8e4nv:  # an FP8 cache: fp16 before the product, read as 16-bit (_fp8_to_fp16)
-            b_v = _fp8_to_fp16(b_v, BLOCK_N, HEAD_DIM_V_PAD)  # [BLOCK_N, HEAD_DIM_V_PAD]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_V_PAD]
         m_i = m_new
