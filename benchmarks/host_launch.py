@@ -9,14 +9,13 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
 * ``triton launch``: one ``kernel[grid](...)`` through ``JITFunction.run``, as every launch
   went before the launch fast path (``tileattn.gpu._launch``);
 * ``direct launch``: the same launch through ``_launch.Launch`` once it holds the kernel;
-* ``attn_fwd``: the whole launcher (plan lookup, split workspace and counters, the forward
-  launch, which merges its splits itself), every launch direct.
+* ``attn_fwd``: the whole launcher (plan lookup, split workspace, forward and combine
+  launches), every launch direct.
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
 device-side value check's launch and assertion, the append, the launcher) for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
-split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of
-``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
+and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
 as they do on a GPU (``value_mode`` "device"; the cache check asserting in its kernel); the
 other asynchronous assertions are made on a true flag, since stand-in kernels write nothing. overhead.py times whole calls on the GPU.
@@ -43,7 +42,6 @@ import tileattn  # noqa: E402
 import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
-import tileattn.gpu.combine as CB  # noqa: E402
 import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.ops import _validate  # noqa: E402
@@ -127,10 +125,6 @@ def whole_calls():
     yield "decode contiguous", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
     yield "decode paged16", lambda: tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
                                                                       block_table=table)
-    yield "decode contiguous, 16 splits", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                                                                    num_splits=16)
-    yield "decode paged16, 33 splits", lambda: tileattn.flash_attn_with_kvcache(
-        q, pool_k, pool_v, cache_seqlens=lens, block_table=table, num_splits=33)
     yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, k=new, v=new,
                                                                                   cache_seqlens=lens)
     yield "decode paged16 + append", lambda: tileattn.flash_attn_with_kvcache(
@@ -148,16 +142,15 @@ def main():
     L._current_stream = lambda device: 0
     os.environ["TILEATTN_AUTOTUNE"] = "0"  # one config: nothing to time on a stand-in kernel
     real = A._attn_fwd_kernel
-    A._attn_fwd_kernel, CB._combine_kernel = _Kernels(real), _Kernels(CB._combine_kernel)
+    A._attn_fwd_kernel, A._combine_kernel = _Kernels(real), _Kernels(A._combine_kernel)
     params = AttnParams(128**-0.5)
     print(f"{'case':24s} {'triton launch':>14s} {'direct launch':>14s} {'attn_fwd':>10s}   (µs per call, median)")
     for name, tensors, opts in cases():
         A.clear_plans()
         A.attn_fwd(*tensors, params=params, **opts)
         plan = next(iter(A._PLANS.values()))
-        merged = (*tensors[3:5], plan.new_counters("cpu")) if plan.merge else (None, None, None)  # out, lse, counters
-        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), *merged, None, None, None, None,
-                    opts.get("seqused_k"), None, None, None, *plan.ints, 0.1, 0.0, -1, -1, 0,  # alibi .. descales
+        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None, None,  # alibi, sink, cu_seqlens
+                    opts.get("seqused_k"), None, None, None, *plan.ints, 0.1, 0.0, -1, -1, 0,  # table, descales
                     *params.dropout_offsets(tensors[0].shape[-2]), 0, 0, 1.0)  # dropout's counters, seed, threshold
         meta = {**plan.fwd.constexprs, **plan.fwd.options}
         triton_us = median_us(lambda: real[plan.grid](*fwd_args, **meta), args.calls, args.repeat)

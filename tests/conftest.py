@@ -70,18 +70,6 @@ def device(request, monkeypatch):
     return "cpu"
 
 
-@pytest.fixture
-def combine_launch(monkeypatch):
-    """Split partial states merged by a combine launch of their own, never by the forward launch
-    itself (``gpu.combine.MERGE_MAX_BYTES`` 0); the plans made meanwhile are forgotten after the test."""
-    from tileattn.gpu import attention, combine
-
-    monkeypatch.setattr(combine, "MERGE_MAX_BYTES", 0)
-    attention.clear_plans()
-    yield
-    attention.clear_plans()
-
-
 # ------------------------------------------------------------------ poisoned allocations
 
 

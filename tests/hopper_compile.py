@@ -11,8 +11,7 @@ configuration the autotuner could pick, to a Hopper cubin with the ptxas that Tr
 Each line also gives the registers per thread and the local-memory stack (register spills)
 that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent. The
 forward's wide tile (head dims above 256, MLA's absorbed decoding) was chosen as the largest that
-compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here;
-so does a decode tile over a 16-bit cache that merges its own splits (``MERGE_SPLITS``).
+compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here.
 
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
@@ -39,12 +38,15 @@ from triton.compiler import ASTSource  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import checks as check_launcher  # noqa: E402
-from tileattn.gpu import combine as combine_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
 from tileattn.gpu import kvcache as append_launcher  # noqa: E402
 from tileattn.kernels import attn_bwd_hopper, attn_fwd_hopper  # noqa: E402
+
+# the cases' short sequences take the Gluon backward's dQ reductions too (the deterministic cases
+# compile its two-launch form)
+hopper_bwd_launcher.REDUCE_MIN_ROWS = 0
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -166,17 +168,8 @@ def forward_cases():
                       t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
                       dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
                            max_seqlen_q=2, max_seqlen_k=512, num_splits=splits, learnable_sink=sink)))
-    # the decoding step docs/perf-notes.md times on the H200 (batch 1, GQA 32/8, hdim 128, 8k keys),
-    # with the split counts the rule gives there: 16 (contiguous, one wave), 33 (blocks of 16, two)
-    for page, splits in ((0, 16), (16, 33)):
-        cache = t(512, 16, 8, 128) if page else t(1, 8192, 8, 128)
-        paged = dict(block_table=torch.arange(512, dtype=torch.int32).view(1, 512)) if page else {}
-        cases.append((f"decode 8k GQA 32/8 {'paged 16' if page else 'contiguous'} {splits} splits", t(1, 1, 32, 128),
-                      cache, cache.clone(), dict(params=AttnParams(128**-0.5, -1, 0), max_seqlen_q=1,
-                                                 seqused_k=torch.tensor([8000], dtype=torch.int32),
-                                                 max_seqlen_k=8192, num_splits=splits, **paged)))
-    # serving: a mixed batch over a paged pool in one call (decode tile split and merged in its
-    # launch, prefill tile not), and an FP8 pool
+    # serving: a mixed batch over a paged pool in one call (decode tile split, prefill tile not,
+    # the combine skipping the long rows), and an FP8 pool
     pool = t(64, 16, 8, 128)
     table = torch.randperm(64, generator=g)[:48].view(4, 12).to(torch.int32)
     cases.append(("mixed batch paged varlen GQA split", t(69, 32, 128), pool, pool.clone(), dict(
@@ -230,27 +223,6 @@ def mla_cases(t, g):
     cases.append(("MLA prefill causal latent h8", t(2, 300, 8, 576), lat, lat[..., :512],
                   dict(params=AttnParams(576**-0.5, -1, 0))))
     return cases
-
-
-def partials_cases():
-    """A cascade's shared prefix: one paged sequence's split partial states left unmerged (the split
-    launch without ``MERGE_SPLITS``), merged with another state by ``merge_parts``."""
-    g = torch.Generator().manual_seed(3)
-    pool = torch.randn(64, 16, 8, 128, generator=g).to(torch.bfloat16)
-    table = torch.randperm(64, generator=g)[:32].view(1, 32).to(torch.int32)
-    return [("cascade prefix partials GQA 4 splits", torch.randn(1, 4, 32, 128, generator=g).to(torch.bfloat16),
-             pool, dict(params=AttnParams(128**-0.5), max_seqlen_q=4, max_seqlen_k=512, num_splits=4, block_table=table,
-                        seqused_k=torch.tensor([500], dtype=torch.int32)))]
-
-
-def partials_then_merge(q, pool, **kwargs):
-    """``ops.cascade``'s launches of the prefix: its unmerged split states, then one ``merge_parts``."""
-    plan = fwd_launcher.plan_partials(q, pool, pool, **kwargs)
-    o_parts = torch.empty(plan.num_splits + 1, *q.shape)
-    lse_parts = torch.empty(plan.num_splits + 1, q.shape[0], q.shape[2], q.shape[1])
-    plan.run_partials(q, pool, pool, kwargs["params"], kwargs["seqused_k"], kwargs["block_table"], o_parts[:-1],
-                      lse_parts[:-1])
-    combine_launcher.merge_parts(o_parts, lse_parts, torch.empty_like(q), torch.empty(lse_parts.shape[1:]))
 
 
 def backward_cases():
@@ -314,21 +286,20 @@ def record(fn, *args, **kwargs):
     """The launches ``fn(*args, **kwargs)`` makes; a backward dK/dV or dQ launch once per tile
     config it could get (the forward's prefill launches are expanded by ``forward_variants``)."""
     launches = []
-    names = {fwd_launcher: ("_attn_fwd_kernel",), combine_launcher: ("_combine_kernel",),
+    names = {fwd_launcher: ("_attn_fwd_kernel", "_combine_kernel"),
              bwd_launcher: ("_attn_bwd_preprocess", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
              append_launcher: ("_append_kv_kernel",)}
     originals = {(module, name): getattr(module, name) for module, group in names.items() for name in group}
-    plan_caches = (fwd_launcher, bwd_launcher, append_launcher)
     try:
         for (module, name), kernel in originals.items():
             setattr(module, name, Recorder(kernel, launches))
-        for module in plan_caches:  # plans made now launch the recorders
+        for module in names:  # plans made now launch the recorders
             module.clear_plans()
         fn(*args, **kwargs)
     finally:
         for (module, name), kernel in originals.items():
             setattr(module, name, kernel)
-        for module in plan_caches:
+        for module in names:
             module.clear_plans()
     expanded = []
     for kernel, args, meta in launches:
@@ -363,13 +334,10 @@ def wide(meta) -> bool:
 
 
 def must_not_spill(fn, meta) -> bool:
-    """The wide tile's 16-bit variants and the combines after them, and the decode tiles over 16-bit
-    caches that merge their splits (``gpu.combine.MERGE_MAX_TILE``): chosen to compile without spills."""
-    if fn is combine_launcher._combine_kernel:
+    """The wide tile's 16-bit variants and the combines after them: chosen to compile without spills."""
+    if fn is fwd_launcher._combine_kernel:
         return meta["HEAD_DIM_PAD"] > fwd_launcher.TAIL_ABOVE
-    if fn is not fwd_launcher._attn_fwd_kernel or meta["DOT_DTYPE"] == triton.language.float32:
-        return False
-    return wide(meta) or (meta.get("MERGE_SPLITS", False) and not meta["IS_FP8"])
+    return fn is fwd_launcher._attn_fwd_kernel and wide(meta) and meta["DOT_DTYPE"] != triton.language.float32
 
 
 def hopper_cases():
@@ -534,8 +502,6 @@ def main() -> int:
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
         todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
                                                                          **kwargs), q)]
-    for name, q, pool, kwargs in partials_cases():
-        todo += [(name, *launch) for launch in record(partials_then_merge, q, pool, **kwargs)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
     for name, tensors, kwargs in append_cases():
@@ -557,7 +523,7 @@ def main() -> int:
             if gluon and stack > GLUON_STACK_LIMIT:  # the warp-specialised kernel's register split must hold
                 verdict = f"FAIL spills ({usage})"
             elif stack and must_not_spill(fn, kwargs):
-                verdict = f"FAIL spills where none may ({usage})"
+                verdict = f"FAIL the wide tile spills ({usage})"
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail

@@ -121,35 +121,6 @@ def test_plan_with_cache_leftpad_runs_each_layer_as_flash_attn_with_kvcache(devi
             plan.run(q, k_cache, v_cache, learnable_sink=torch.zeros(4, device=device), **new)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_a_split_plan_merges_on_counters_of_its_own(monkeypatch, paged):
-    """Split keys (3 splits of 2 layers' caches): the attention launch merges its splits itself
-    on the plan's own arrival counters, all zero again after each layer, never on the stream's
-    cached ones; each run equals flash_attn_with_kvcache's call bit for bit."""
-    from tileattn.gpu import combine
-
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TILEATTN_BACKEND", "triton")  # the Triton plan, in the interpreter
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(85)
-    lens, table, layers = _layers(gen, 2, 3, 32, paged, device)
-    opts = dict(causal=True, num_splits=3, return_softmax_lse=True)
-    plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, **opts)
-    assert plan._fwd.merge and plan._counters.numel() == plan._fwd.grid[0]
-    monkeypatch.setattr(combine, "_COUNTERS", {})  # the streams' cached counters: none yet
-    for q, k_cache, v_cache, k_new, v_new in layers:
-        k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        got = plan.run(q, k_cache, v_cache, k=k_new, v=v_new)
-        assert not plan._counters.any() and not combine._COUNTERS
-        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=lens, block_table=table,
-                                                **opts)  # on the stream's counters
-        assert list(combine._COUNTERS) and not any(c.any() for c in combine._COUNTERS.values())
-        combine._COUNTERS.clear()
-        for w, g in zip(want, got):
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
-        assert not got[0].isnan().any()
-
-
 def test_plan_rejects_a_layer_it_was_not_made_for():
     gen = torch.Generator().manual_seed(82)
     lens, _, layers = _layers(gen, 1, 2, 32, False, "cpu", torch.float32)

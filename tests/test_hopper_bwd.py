@@ -26,6 +26,15 @@ from tolerance import GRAD_FACTOR, assert_within, plain_attention
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
 
 
+@pytest.fixture(autouse=True)
+def reductions_at_every_length(monkeypatch):
+    """dQ by reductions (head dim 128, not deterministic) at every length, not only past
+    ``REDUCE_MIN_ROWS`` query rows: the short cases below test that path too."""
+    from tileattn.gpu import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "REDUCE_MIN_ROWS", 0)
+
+
 def _np(*tensors):
     return [None if t is None else t.detach().cpu().double().numpy() for t in tensors]
 

@@ -113,7 +113,12 @@ def test_launches(monkeypatch, window, varlen):
     if varlen:  # packed: one batch to the descriptors and the output strides
         assert args_kv["stride_1b"] == 0 and args_q["stride_1b"] == 0 and args_q["stride_wb"] == 0
         assert args_kv["CuSeqlensR"] is kwargs["cu_seqlens_k"] and args_q["CuSeqlensR"] is kwargs["cu_seqlens_q"]
+    record.launches.clear()  # without deterministic: two launches as well up to REDUCE_MIN_ROWS query rows
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
+                               ws.clone(), params=params, **kwargs)
+    assert [meta["DQ_REDUCE"] for _, _, meta in record.launches] == [False, False]
     record.launches.clear()
+    monkeypatch.setattr(hopper_bwd, "REDUCE_MIN_ROWS", len_q)  # past it: dQ by reductions, one launch
     hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
                                ws.clone(), params=params, **kwargs)
     ((grid, args, meta),) = record.launches
@@ -124,9 +129,8 @@ def test_launches(monkeypatch, window, varlen):
 
 @pytest.mark.parametrize("rows", [512, 513, 1024, 1025])
 def test_short_calls_go_to_the_portable_kernels(rows):
-    """SHORT_PORTABLE: causal at head dim 64 up to 1024 rows (forward) / 512 (backward), causal at
-    head dim 128 up to 512 (backward), unmasked at head dim 128 up to 512 (backward) are told no
-    before the device is looked at; windows are not; packed calls count the longest sequence
+    """SHORT_PORTABLE: causal at head dim 64 up to 1024 rows (forward) is told no before the device
+    is looked at; the backward never is; windows are not; packed calls count the longest sequence
     (max_seqlen_q)."""
     from tileattn.gpu.hopper import hopper_fwd_reason
 
@@ -137,8 +141,8 @@ def test_short_calls_go_to_the_portable_kernels(rows):
         return tuple(r is not None and r.startswith("short") for r in (f, b))
 
     causal, unmasked = AttnParams(0.125, -1, 0), AttnParams(0.125, -1, -1)
-    for head_dim, params, (fwd_rows, bwd_rows) in ((64, causal, (1024, 512)), (128, causal, (0, 512)),
-                                                  (128, unmasked, (0, 512)), (64, unmasked, (0, 0))):
+    for head_dim, params, (fwd_rows, bwd_rows) in ((64, causal, (1024, 0)), (128, causal, (0, 0)),
+                                                  (128, unmasked, (0, 0)), (64, unmasked, (0, 0))):
         expect = (rows <= fwd_rows, rows <= bwd_rows)
         assert reasons(torch.empty(1, rows, 2, head_dim, dtype=torch.bfloat16), params) == expect
         assert reasons(torch.empty(3 * rows, 2, head_dim, dtype=torch.bfloat16), params, max_seqlen_q=rows) == expect

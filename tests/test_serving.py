@@ -77,16 +77,12 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name,num_splits,merge", [
-    ("causal", None, "launch"), ("causal", 1, "launch"), ("causal", 3, "launch"), ("causal", 3, "combine"),
-    ("window softcap alibi", None, "launch"), ("window softcap alibi", 2, "launch"), ("noncausal", None, "launch"),
-    ("sinks", 1, "launch"), ("sinks", 3, "launch"), ("sinks", 3, "combine")])
-def test_mixed_batch_in_one_call(request, device, name, num_splits, merge):
+@pytest.mark.parametrize("name,num_splits", [("causal", None), ("causal", 1), ("causal", 3),
+                                              ("window softcap alibi", None), ("window softcap alibi", 2),
+                                              ("noncausal", None), ("sinks", 1), ("sinks", 3)])
+def test_mixed_batch_in_one_call(device, name, num_splits):
     """flash_attn_varlen_func as vLLM calls it: cu_seqlens_k None, seqused_k, block_table, out=
-    a strided view; each sequence equals its own dense attention. Splits merged by the decode
-    tile's launch itself, or by a combine launch that skips the long sequences' marked rows."""
-    if merge == "combine":
-        request.getfixturevalue("combine_launch")
+    a strided view; each sequence equals its own dense attention."""
     gen = torch.Generator().manual_seed(191)
     dtype, nheads, nheads_k, d = torch.bfloat16, 4, 1, 32  # MQA, group 4
     opts = dict(OPTIONS[name])
@@ -116,15 +112,11 @@ def test_mixed_batch_in_one_call(request, device, name, num_splits, merge):
     assert_within("lse", lse.cpu(), plain_l, ref_l)
 
 
-@pytest.mark.parametrize("merge", ["launch", "combine"])
-def test_mixed_batch_is_two_launches_and_splits_only_the_short_rows(request, merge):
-    """The plan of a mixed call: the decode tile for the short sequences (split, merged by its
-    own launch, or by a combine launch with the long sequences' rows marked and skipped) and a
-    plan of its own for the long ones, never split."""
+def test_mixed_batch_is_two_launches_and_splits_only_the_short_rows():
+    """The plan of a mixed call: the decode tile for the short sequences (split, combined with
+    the long sequences' rows skipped) and a plan of its own for the long ones, never split."""
     from tileattn.gpu import attention as A
 
-    if merge == "combine":
-        request.getfixturevalue("combine_launch")
     A.clear_plans()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(203)
@@ -137,8 +129,7 @@ def test_mixed_batch_is_two_launches_and_splits_only_the_short_rows(request, mer
     A.attn_fwd(q, pool, pool, out, lse, params=AttnParams(0.25, -1, 0), cu_seqlens_q=cu(MIXED_Q).to(dev),
                max_seqlen_q=max(MIXED_Q), max_seqlen_k=64, seqused_k=used, block_table=table, num_splits=3)
     (plan,) = A._PLANS.values()
-    assert plan.num_splits == 3 and plan.flags["PACK_GQA"] and plan.merge == (merge == "launch")
-    assert plan.marked == (plan.combine is not None) == (merge == "combine")
+    assert plan.num_splits == 3 and plan.marked and plan.flags["PACK_GQA"] and plan.combine is not None
     assert plan.long is not None and plan.long.num_splits == 1 and plan.long.combine is None
     assert plan.long.long is None and not plan.long.flags["SPLIT_KV"]
 

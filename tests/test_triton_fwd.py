@@ -15,7 +15,6 @@ import triton
 
 from tileattn import reference
 import tileattn.gpu.attention as launch
-import tileattn.gpu.combine as combine
 from tileattn.gpu.attention import attn_fwd
 from tileattn.contract import AttnParams
 
@@ -115,20 +114,13 @@ def test_num_splits_give_the_same_answer(num_splits):
     torch.testing.assert_close(lse, base[4], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("merge", ["in the launch", "combine launch"])
-def test_more_splits_than_the_merge_reads_at_once(request, merge):
-    # Key tiles for 9 more splits than the combine reads per block (COMBINE_MAX_BLOCK_S), over 4
-    # more splits still: a later block can raise the running maximum, and the last 3 splits are
-    # empty (weight 0). The in-kernel merge reads fewer at once (4 rows x 32 splits x 32 columns):
-    # three blocks, the last with the empty splits.
-    block_s = combine.COMBINE_MAX_BLOCK_S
-    assert combine.merge_tile(4, block_s + 13, 32, 32) == (4, 32)
-    if merge == "combine launch":
-        request.getfixturevalue("combine_launch")
-    splits, seqlen_k = block_s + 13, (block_s + 9) * launch.DECODE_BLOCK_N + 7
+def test_more_splits_than_the_combine_reads_at_once():
+    # Key tiles for 9 more splits than the combine reads per block, over 4 more splits still:
+    # the second block can raise the running maximum, and the last 3 splits are empty (weight 0).
+    splits = launch.COMBINE_MAX_BLOCK_S + 13
+    seqlen_k = (launch.COMBINE_MAX_BLOCK_S + 9) * launch.DECODE_BLOCK_N + 7
     q, k, v, out, lse = _dense(6, 1, 2, seqlen_k, 4, 2, 32, torch.float32, num_splits=splits, causal=True)
     _check(f"splits={splits}", out, lse, q, k, v, causal=True)
-    assert [p.merge for p in launch._PLANS.values() if p.num_splits == splits] == [merge == "in the launch"]
 
 
 def test_window_and_softcap():
@@ -192,65 +184,6 @@ def test_dense_seqused_k():
                      [v[b, :n] for b, n in enumerate(used)], causal=True)
 
 
-def _pool(seqs, page_size, spare, gen):
-    """Scatter each sequence's (n, Hk, D) rows into a NaN pool of pages through a block table drawn
-    from a random permutation of ``spare`` more pages than needed; returns (pool, table)."""
-    pages = [-(-x.shape[0] // page_size) for x in seqs]
-    num_blocks = sum(pages) + spare
-    pool = torch.full((num_blocks, page_size, *seqs[0].shape[1:]), float("nan"), dtype=seqs[0].dtype, device=DEVICE)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.zeros(len(seqs), max(pages) + 1, dtype=torch.int32)
-    for b, x in enumerate(seqs):
-        for p in range(pages[b]):
-            table[b, p] = blk = perm.pop()
-            rows = x[p * page_size:(p + 1) * page_size]
-            pool[blk, :rows.shape[0]] = rows
-    return pool, table.to(DEVICE)
-
-
-@pytest.mark.parametrize("num_splits", [3, 16])
-@pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("sink", [False, True])
-def test_splits_merged_by_the_launch(num_splits, paged, sink):
-    """The decode tile's launch merges its own splits (``MERGE_SPLITS``), equal to the float64
-    reference: sequences of 400, 130, 2 and 0 keys over 4 key tiles (16 splits: 12 or more empty
-    for every row; 3 splits: the 130 keys' third empty), 3 causal queries each (2 keys: the first
-    query sees none; 0 keys: none does, out 0 and lse -inf, or the sink's lse), GQA 4, head dim
-    40, a contiguous cache or a permuted pool of pages (unused slots NaN), sinks or not; the
-    arrival counters are all zero again after the call."""
-    gen = torch.Generator().manual_seed(31 + num_splits)
-    lens, d, dtype = [400, 130, 2, 0], 40, torch.bfloat16
-    q = _randn(gen, 4, 3, 8, d, dtype=dtype)
-    k_seqs = [_randn(gen, n, 2, d, dtype=dtype) for n in lens]
-    v_seqs = [_randn(gen, n, 2, d, dtype=dtype) for n in lens]
-    sinks = (torch.randn(8, generator=gen) * 2).to(DEVICE) if sink else None
-    if paged:
-        k_cache, table = _pool(k_seqs, 16, 5, torch.Generator().manual_seed(1))
-        v_cache, _ = _pool(v_seqs, 16, 5, torch.Generator().manual_seed(1))
-    else:
-        k_cache, v_cache = (torch.full((4, max(lens), 2, d), float("nan"), dtype=dtype, device=DEVICE) for _ in "kv")
-        for b, n in enumerate(lens):
-            k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
-        table = None
-    out, lse = _poisoned(q, 8, (4, 8, 3))
-    call = dict(params=_params(d, causal=True), seqused_k=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                block_table=table, max_seqlen_q=3, max_seqlen_k=max(lens), num_splits=num_splits, learnable_sink=sinks)
-    attn_fwd(q, k_cache, v_cache, out, lse, **call)
-    plan = launch.plan_fwd(q, k_cache, v_cache, out, lse, **call)
-    assert plan.merge and plan.combine is None and plan.num_splits == num_splits
-    assert combine._COUNTERS and not any(c.any() for c in combine._COUNTERS.values())
-    sink64 = None if sinks is None else sinks.cpu()
-    for b in range(4):
-        ref_o, ref_l = reference.attention_naive(_np(q[b:b + 1]), _np(k_seqs[b][None]), _np(v_seqs[b][None]),
-                                                 causal=True, learnable_sink=_np(sink64))
-        plain_o, plain_l = plain_attention(q[b:b + 1].cpu(), k_seqs[b][None].cpu(), v_seqs[b][None].cpu(),
-                                           causal=True, learnable_sink=sink64)
-        assert_within(f"sequence {b} out", out[b:b + 1], plain_o, ref_o)
-        assert_within(f"sequence {b} lse", lse[b:b + 1], plain_l, ref_l)
-    no_key = torch.cat([out[3], out[2, :1]]).cpu()  # rows that see no key: out 0
-    assert torch.equal(no_key, torch.zeros_like(no_key))
-
-
 @pytest.mark.parametrize("page_size,seqlen_q,num_splits,dtype", [
     (16, 1, 1, torch.float16),  # pages smaller than the tile: one table lookup per key
     (64, 1, 3, torch.bfloat16),  # tiles inside one page: one lookup per tile
@@ -259,14 +192,28 @@ def test_splits_merged_by_the_launch(num_splits, paged, sink):
 def test_paged_cache_from_permuted_pool(page_size, seqlen_q, num_splits, dtype):
     gen = torch.Generator().manual_seed(10)
     lens_k = [150, 9, 64]
-    k_seqs = [_randn(gen, n, 2, 96, dtype=dtype) for n in lens_k]
-    v_seqs = [_randn(gen, n, 2, 96, dtype=dtype) for n in lens_k]
-    k_pool, table = _pool(k_seqs, page_size, 5, torch.Generator().manual_seed(11))  # 5 pages more than needed
-    v_pool, _ = _pool(v_seqs, page_size, 5, torch.Generator().manual_seed(11))  # (the same table)
+    pages = [-(-n // page_size) for n in lens_k]
+    max_pages = max(pages) + 1
+    num_blocks = sum(pages) + 5  # a larger pool than needed, unused slots NaN
+    k_pool = torch.full((num_blocks, page_size, 2, 96), float("nan"), dtype=dtype, device=DEVICE)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(3, max_pages, dtype=torch.int32)
+    k_seqs, v_seqs = [], []
+    for b, n in enumerate(lens_k):
+        k_b, v_b = _randn(gen, n, 2, 96, dtype=dtype), _randn(gen, n, 2, 96, dtype=dtype)
+        k_seqs.append(k_b)
+        v_seqs.append(v_b)
+        for p in range(pages[b]):
+            blk = perm.pop()
+            table[b, p] = blk
+            rows = slice(p * page_size, min((p + 1) * page_size, n))
+            k_pool[blk, : rows.stop - rows.start] = k_b[rows]
+            v_pool[blk, : rows.stop - rows.start] = v_b[rows]
     q = _randn(gen, 3, seqlen_q, 8, 96, dtype=dtype)
     out, lse = _poisoned(q, 8, (3, 8, seqlen_q))
     causal = seqlen_q > 1
-    attn_fwd(q, k_pool, v_pool, out, lse, params=_params(96, causal=causal), block_table=table,
+    attn_fwd(q, k_pool, v_pool, out, lse, params=_params(96, causal=causal), block_table=table.to(DEVICE),
              seqused_k=torch.tensor(lens_k, dtype=torch.int32, device=DEVICE), max_seqlen_k=max(lens_k),
              num_splits=num_splits)
     _check_sequences(out, lse, q, k_seqs, v_seqs, causal=causal)

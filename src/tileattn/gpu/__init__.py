@@ -8,8 +8,7 @@ Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``;
 prefix); ``merge_parts``, one launch merging partial states (``tileattn.contract``).
 """
 
-from .attention import attn_fwd, plan_fwd, plan_partials
-from .combine import merge_parts
+from .attention import attn_fwd, merge_parts, plan_fwd, plan_partials
 from .backward import attn_bwd
 from .kvcache import append_kv
 from .prepared import prepare_fwd

@@ -12,12 +12,11 @@ Choices made here:
   ``PACK_GQA`` puts the group's heads into the tile's rows, so each K/V tile is read once per
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
 * ``num_splits = 0``: split the keys when batch x heads x query blocks cannot fill the SMs
-  (``_auto_splits``); the partial states are merged by the decode tile's launch itself, its last
-  split program of each row block merging them, or else by a combine launch (``gpu/combine.py``);
+  (``_auto_splits``); the partial states are merged by ``kernels.combine``;
 * a packed batch over a KV cache (``seqused_k``) mixing sequences of few new tokens (decoding,
   speculative rows) with long ones (prefill chunks): two launches into the same outputs, the
   short sequences with the decode tile (split when asked) and the long ones with the prefill
-  tile (never split; a combine launch skips their rows, marked in split 0's lse);
+  tile (never split; the combine skips their rows, marked in split 0's lse);
 * an FP8 cache (``k_descale``/``v_descale``): the same kernel with ``IS_FP8``;
 * head dims above 256 (MLA's absorbed latent, q/k 576 and v 512): q/k's head dim as a power-of-two
   main part and a tail (``_split_head_dim``: 576 = 512 + 64, not padded to 1024), the key tile
@@ -37,12 +36,11 @@ import triton
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from ..kernels.combine import UNSPLIT_MARK
+from ..kernels.combine import UNSPLIT_MARK, _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       plan_for)
-from .combine import combine_launch, merge_tile, split_counters
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
 
@@ -66,6 +64,8 @@ MAX_SPLITS = 128
 # the price where every sequence has the same length, batch 64 x 8k: 484 -> 503 us (4 splits)
 RAGGED_WAVES = 12
 RAGGED_MIN_KEYS = 1024
+COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
+COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
@@ -124,6 +124,7 @@ _FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's int
 # where a call's own key strides and length go among them when the plan takes those per call
 _K_INTS = _attn_fwd_kernel.arg_names.index("stride_kb") - _FWD_FIRST_INT
 _SEQLEN_K_INT = _attn_fwd_kernel.arg_names.index("seqlen_k_arg") - _FWD_FIRST_INT
+_COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 
 
 @functools.lru_cache(maxsize=None)
@@ -453,17 +454,9 @@ class FwdPlan:
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1,
                                       ragged_blocks=seqlen_k // RAGGED_MIN_KEYS if ragged else 0)
         split_kv = num_splits > 1
-        self.num_splits, self.device = num_splits, device
-        self.device_index = device.index if device.type == "cuda" else -1
+        self.num_splits = num_splits
         self.long = FwdPlan(key, min_seqlen_q=short + 1) if mixed else None
-        # the splits merged by this launch's last split program of each row block: the decode tile
-        # only (a prefill tile's 128 rows are the combine's, one program per row), and not past
-        # gpu.combine.MERGE_MAX_BYTES of partials per program (merge_tile)
-        merging = merge_tile(min(block_m, next_power_of_2(max_rows)), num_splits, head_dim_v, head_dim_v_pad) \
-            if split_kv and decode else None
-        self.merge = merging is not None
-        # the long sequences' rows, which a combine launch skips (a merging launch merges only its own rows)
-        self.marked = split_kv and mixed and not self.merge
+        self.marked = split_kv and mixed  # the long sequences' rows, which the combine skips
 
         self.workspace_shapes = None
         if split_kv:  # fp32 partial states (splits, B, Sq, H, D) and (splits, B, H, Sq); varlen: B = 1
@@ -485,7 +478,6 @@ class FwdPlan:
             stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh,
             *o_strides, *l_strides,
-            *((stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls) if self.merge else (0,) * 6),
             alibi[0][0] if alibi else 0, alibi[0][1] if alibi else 0, table[1] if paged else 0,
             nheads, seqlen_q, seqlen_k, max_rows, min_seqlen_q, num_splits,
         )
@@ -500,8 +492,7 @@ class FwdPlan:
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
             DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
-            V_IS_K=v_is_k, SINGLE_LOOP=wide, MERGE_SPLITS=self.merge, MERGE_ROWS=merging[0] if merging else 16,
-            MERGE_BLOCK_S=merging[1] if merging else 1,
+            V_IS_K=v_is_k, SINGLE_LOOP=wide,
         )
         self.flags = flags
 
@@ -511,12 +502,10 @@ class FwdPlan:
         self._grid = grid
         ws_dtype = torch.float32 if split_kv else None
         # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``)
-        tensors = (None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k, seqused,
-                   None if table is None else table[-1], descale, descale)
-        ints = int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints)
-        merged = (o_dtype, l_dtype, torch.int32) if self.merge else (None,) * 3
-        self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype, *merged, *tensors),
-                           ints)
+        self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype,
+                            None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k,
+                            seqused, None if table is None else table[-1], descale, descale),
+                           int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
         self.tuned = self.tune_key = None
         if decode:
             num_warps = WIDE_NUM_WARPS if wide and block_m == WIDE_BLOCK_M else DECODE_NUM_WARPS
@@ -530,40 +519,29 @@ class FwdPlan:
         else:  # the first config that fits in shared memory
             self._use_config(_prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
                                             HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V_PAD=head_dim_v_pad)[0])
-        self.combine = self.fwd_parts = None
-        if self.merge:  # the same launch leaving the partials unmerged, for a caller that merges them (run_partials)
-            self.fwd_parts = launch_for(_attn_fwd_kernel, dict(self.fwd.constexprs, MERGE_SPLITS=False, MERGE_ROWS=16,
-                                                               MERGE_BLOCK_S=1),
-                                        self.fwd.options, ((*self._signature[0][:5], None, None, None, *tensors), ints))
-        elif split_kv:
-            self.combine, self.combine_grid, self.combine_ints = combine_launch(
+        self.combine = None
+        if split_kv:
+            self.combine, self.combine_grid, self.combine_ints = _combine_launch(
                 self.workspace_shapes, varlen, o_stride, l_stride, head_dim_v, head_dim_v_pad, o_dtype, l_dtype, sink,
                 self.marked)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
             block_table, workspace: tuple | None = None, learnable_sink=None, k_descale=None, v_descale=None,
-            combine: bool = True, counters=None) -> None:
+            combine: bool = True) -> None:
         """Launch the plan on one call's tensors (they must have the plan's key, sinks and descales
         included). ``workspace``: the split partials' buffers, shaped as ``workspace_shapes``
         (``new_workspace``; contiguous), else they are allocated here. ``combine=False`` leaves
-        the split partials in ``workspace`` for the caller to merge (``merge_parts``). ``counters``:
-        a merging launch's arrival counters (``new_counters``), else the stream's (``split_counters``)."""
-        fwd, o_dst, l_dst, m_out, m_lse, m_counters = self.fwd, out, lse, None, None, None
+        the split partials in ``workspace`` for the caller to merge (``merge_parts``)."""
         if self.workspace_shapes is not None:
             o_dst, l_dst = workspace or self.new_workspace(q.device)
-            if not combine:
-                fwd = self.fwd_parts or fwd
-            elif self.merge:
-                m_out, m_lse = out, lse
-                m_counters = split_counters(self.device, self.device_index, self.grid[0]) if counters is None \
-                    else counters
             if self.marked:  # rows no split of this launch writes keep the mark
                 l_dst[0].view(torch.int32).fill_(UNSPLIT_MARK.value)
-        args = (q, k, v, o_dst, l_dst, m_out, m_lse, m_counters, alibi_slopes, learnable_sink, cu_seqlens_q,
-                cu_seqlens_k, seqused_k, block_table, k_descale, v_descale, *self.call_ints(k, v),
-                *scalar_args(params, q.shape[-2]))
-        if fwd is not None:
-            fwd(self.grid, *args)
+        else:
+            o_dst, l_dst = out, lse
+        args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                block_table, k_descale, v_descale, *self.call_ints(k, v), *scalar_args(params, q.shape[-2]))
+        if self.fwd is not None:
+            self.fwd(self.grid, *args)
         else:
             self._tuned_launch(args)
         if self.long is not None:
@@ -586,12 +564,6 @@ class FwdPlan:
         """``plan_partials``'s launch: the split partial states into ``o_parts``/``lse_parts``, unmerged."""
         self.run(q, k, v, None, None, params, None, None, None, seqused_k, block_table, workspace=(o_parts, lse_parts),
                  k_descale=k_descale, v_descale=v_descale, combine=False)
-
-    def new_counters(self, device) -> torch.Tensor | None:
-        """Arrival counters of this plan's merging launch for a caller that keeps its own and runs
-        the plan one launch after another (``DecodePlan``): int32 zeros, one per program along the
-        grid's axis 0; None when the launch does not merge."""
-        return torch.zeros(self.grid[0], dtype=torch.int32, device=device) if self.merge else None
 
     def new_workspace(self, device) -> tuple | None:
         """fp32 buffers for the split partial states (o, lse), or None without splits: contiguous
@@ -630,3 +602,37 @@ def scalar_args(params: AttnParams, nheads: int) -> tuple:
     return (float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
             params.window_right, params.diag_shift, *params.dropout_offsets(nheads), params.dropout_seed,
             keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
+
+
+def merge_parts(o_parts, lse_parts, out, lse) -> None:
+    """Merge partial states over disjoint key sets into ``out`` (B, Sq, H, Dv; any strides, last
+    contiguous, any dtype) and ``lse`` (B, H, Sq) fp32: ``o_parts`` (S, B, Sq, H, Dv) and
+    ``lse_parts`` (S, B, H, Sq) fp32, any strides (o's last contiguous) — the split combine's
+    kernel on states the caller computed (a cascade's prefix splits and suffix). One launch, no
+    host sync."""
+    assert o_parts.stride(-1) == 1 and out.stride(-1) == 1, "validated by tileattn.ops"
+    head_dim = o_parts.shape[-1]
+    launch, grid, ints = _combine_launch((tuple(o_parts.shape), tuple(lse_parts.shape)), False, out.stride()[:3],
+                                         lse.stride(), head_dim, max(16, next_power_of_2(head_dim)), out.dtype,
+                                         lse.dtype, None, False, (o_parts.stride()[:4], lse_parts.stride()))
+    launch(grid, o_parts, lse_parts, out, lse, None, *ints)
+
+
+def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
+                    l_dtype, sink, marked: bool, part_strides=None) -> tuple[Launch, tuple, tuple]:
+    """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their
+    dtype or None), into ``out``/``lse`` (varlen as B = 1), skipping the ``marked`` rows when
+    asked: its launch, grid and integer arguments. The partials are contiguous unless
+    ``part_strides`` gives (o's, lse's) strides (the head dim's stride 1)."""
+    (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
+    po, pl = part_strides or (contiguous_strides(workspace[0]), contiguous_strides(l_shape))
+    if varlen:
+        o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
+    ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
+    block_s = min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S, COMBINE_MAX_TILE // head_dim_pad)
+    launch = launch_for(_combine_kernel,
+                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=block_s, HAS_SINK=sink is not None,
+                             SKIP_MARKED=marked),
+                        dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
+                                            int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
+    return launch, (batch * seqlen_q * nheads, 1, 1), ints

@@ -45,6 +45,11 @@ __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3),
                     ("dkdv+dq", 128): (64, 2)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
+# dQ by reductions from the dK/dV programs only past this many query rows (the longest sequence's):
+# measured on the H200 (docs/perf-notes.md, 2026-12-01 11:40), backward alone, head dim 128, at 512
+# rows the two launches were ahead (causal 225 against 124 TFLOP/s, unmasked 306 against 300), at
+# 2k the reductions (379 against 364, 467 against 437); 1k was not measured.
+REDUCE_MIN_ROWS = 1025
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -91,10 +96,11 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
     (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
 
-    At head dim 128, unless ``deterministic``: one launch, dK/dV, whose programs also add their
-    keys' share of dQ to an fp32 workspace by bulk reductions (5 matrix products per tile; the
-    order of the additions varies from run to run), then dq = workspace x scale. Otherwise two
-    launches, dK/dV then dQ (7 products, bitwise reproducible)."""
+    At head dim 128 past ``REDUCE_MIN_ROWS`` query rows, unless ``deterministic``: one launch,
+    dK/dV, whose programs also add their keys' share of dQ to an fp32 workspace by bulk reductions
+    (5 matrix products per tile; the order of the additions varies from run to run), then dq =
+    the workspace rounded. Otherwise two launches, dK/dV then dQ (7 products, bitwise
+    reproducible)."""
     from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
 
     varlen = cu_seqlens_q is not None
@@ -120,7 +126,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
         return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
 
     # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
-    reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES
+    reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES and seqlen_q >= REDUCE_MIN_ROWS
     cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
     dq_desc = None
     if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces half the columns
@@ -132,8 +138,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
         *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
         right, left), dict(COL_PASSES=group, DKDV=True, DQ_REDUCE=reduce, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0,
                            STAGES=stages, **common))
-    if reduce:
-        torch.mul(dq_acc, scale, out=dq_acc)
+    if reduce:  # the kernel scaled each share: the workspace only needs rounding to dq's dtype
         dq.copy_(dq_acc)
         return
     # dQ: rows = queries, columns = keys

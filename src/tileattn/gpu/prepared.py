@@ -16,7 +16,6 @@ constants) sends every prepared launch back to ``attn_fwd``.
 from __future__ import annotations
 
 from . import attention as A
-from .combine import split_counters
 from .hopper import MIN_SEQLEN_Q
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
@@ -44,7 +43,7 @@ class PreparedFwd:
     """``prepare_fwd``'s launch: ``prepared(q, k, v, alibi_slopes, learnable_sink, seqused_k,
     block_table, k_descale, v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, does
     into them what ``attn_fwd`` with the prepared options does (split partials in a fresh
-    workspace, merged) and returns them. ``calls`` counts its calls."""
+    workspace, then their merge) and returns them. ``calls`` counts its calls."""
 
     __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "generation", "calls")
 
@@ -59,15 +58,12 @@ class PreparedFwd:
         if self.generation != A.generation:  # the plans were forgotten: their tiles may be stale
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
-        elif plan.workspace_shapes is None:
-            plan.fwd(plan.grid, q, k, v, out, lse, None, None, None, alibi_slopes, learnable_sink, None, None,
-                     seqused_k, block_table, k_descale, v_descale, *self.tail)
-        elif plan.merge:  # split: the partials in a fresh workspace, merged by the launch itself
+        elif plan.combine is None:
+            plan.fwd(plan.grid, q, k, v, out, lse, alibi_slopes, learnable_sink, None, None, seqused_k, block_table,
+                     k_descale, v_descale, *self.tail)
+        else:
             o_parts, lse_parts = plan.new_workspace(q.device)
-            plan.fwd(plan.grid, q, k, v, o_parts, lse_parts, out, lse,
-                     split_counters(plan.device, plan.device_index, plan.grid[0]), alibi_slopes, learnable_sink, None,
-                     None, seqused_k, block_table, k_descale, v_descale, *self.tail)
-        else:  # split, merged by a combine launch
-            plan.run(q, k, v, out, lse, self.options["params"], alibi_slopes, None, None, seqused_k, block_table,
-                     learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
+            plan.fwd(plan.grid, q, k, v, o_parts, lse_parts, alibi_slopes, learnable_sink, None, None, seqused_k,
+                     block_table, k_descale, v_descale, *self.tail)
+            plan.combine(plan.combine_grid, o_parts, lse_parts, out, lse, learnable_sink, *plan.combine_ints)
         return out, lse

@@ -278,7 +278,7 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                     mbarrier.arrive(empty.index(slot), count=1)
                     tma.store_wait(0)  # the previous tile's reduction has read the staging tile
                     gl.thread_barrier()
-                    stage.store(dq)
+                    stage.store(dq * scale)  # dQ's scale here: the workspace then only needs rounding
                     fence_async_shared()
                     gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk reduction
                     _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], stage)
@@ -317,7 +317,7 @@ def _attn_bwd_hopper_kernel(
     view packed (tokens, heads, dim) tensors as batch 1; sequence b owns rows
     CuSeqlensR[b]:CuSeqlensR[b + 1] and columns likewise, and ``seqlen_r/c`` are the longest.
 
-    ``DQ_REDUCE`` (with DKDV): the program also adds its keys' share of dQ (unscaled) to the fp32
+    ``DQ_REDUCE`` (with DKDV): the program also adds its keys' share of dQ (scaled) to the fp32
     workspace behind ``dq_desc``, a (batch x seqlen_q or tokens, heads x head_dim) matrix, so no
     dQ launch is needed; columns past a sequence's end add exact zeros (their P is 0)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")

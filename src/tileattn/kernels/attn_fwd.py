@@ -22,9 +22,7 @@ masked loop walks all of ``[n_lo, n_hi)`` instead (the wide tile, below: a 512-w
 accumulator leaves no registers for the pipelines of a second loop, and the masks cost a few
 operations per score beside a 576-deep product). With ``SPLIT_KV`` the grid's axis 1 cuts
 ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial, already
-normalised ``(o, lse)`` to fp32 workspaces that ``combine.py``'s ``merge_splits`` merges: with
-``MERGE_SPLITS`` here, by the last of a row block's split programs to finish (an arrival counter
-per program along axis 0), else by the combine launch after this one.
+normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
 
 ``HEAD_DIM_V`` is v's head dim (and the output's), which may differ from q/k's ``HEAD_DIM``
 (MLA). With ``HEAD_DIM_TAIL > 0`` q/k's head dim is ``HEAD_DIM + HEAD_DIM_TAIL``: a power-of-two
@@ -42,13 +40,12 @@ their own iteration and Triton's pipeliner stages them in shared memory), ``HAS_
 ``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r %
 GROUP``, so one program reads each K/V tile once for the whole group), ``SPLIT_KV``,
 ``MASK_LEFT`` / ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0),
-``MERGE_SPLITS`` (above; ``MERGE_ROWS`` rows and ``MERGE_BLOCK_S`` splits read at once),
 ``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with
 descales ``KDescale``/``VDescale``, contiguous (batch, nheads_k) fp32, real = stored x descale:
 the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale and v's the
 output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
 starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
-with it the merge of the splits counts the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
+with it the combine merges the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
 ``V_IS_K`` and ``SINGLE_LOOP`` (above). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
 the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
@@ -58,17 +55,7 @@ launcher then asks for fp32.
 import triton
 import triton.language as tl
 
-from .combine import merge_splits
 from .common import LN2, LOG2E, dropout_keep, online_rescale, scores_log2
-
-
-@triton.jit
-def _row_coords(offs_m, h_grid, GROUP: tl.constexpr, PACK_GQA: tl.constexpr):
-    """(query position, query head) of rows ``offs_m`` of the program of head (or KV head group) ``h_grid``."""
-    if PACK_GQA:  # row r: query r // GROUP of head h_grid * GROUP + r % GROUP
-        return offs_m // GROUP, h_grid * GROUP + offs_m % GROUP
-    else:
-        return offs_m, tl.zeros_like(offs_m) + h_grid
 
 
 @triton.jit
@@ -173,14 +160,12 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
                                "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
                                "drop_r0", "drop_c0", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, MergeOut, MergeLse, Counters, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
-    KDescale, VDescale,
+    Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_l_split, stride_lb, stride_lh, stride_ls,
-    stride_mob, stride_mos, stride_moh, stride_mlb, stride_mlh, stride_mls,
     stride_sb, stride_sh, stride_tb,
     nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
     scale_log2, softcap, window_left, window_right, diag_shift, drop_bh0, drop_bh_stride, drop_r0, drop_c0,
@@ -193,8 +178,7 @@ def _attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
-    V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, MERGE_SPLITS: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = 16, MERGE_BLOCK_S: tl.constexpr = 1,
+    V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -204,9 +188,7 @@ def _attn_fwd_kernel(
 
     ``Out``/``Lse`` are either the outputs (``stride_o_split = 0``) or, with ``SPLIT_KV``, fp32
     workspaces with one slice per split. Dense tensors index tokens as ``b * stride_b + i * stride_s``;
-    varlen tensors pass ``stride_b = 0`` and the sequence's start offset is added to ``i``. With
-    ``MERGE_SPLITS``, ``MergeOut``/``MergeLse`` (strides ``stride_m*``) are the outputs and
-    ``Counters`` int32 zeros, one per program along axis 0, which the launch leaves at zero.
+    varlen tensors pass ``stride_b = 0`` and the sequence's start offset is added to ``i``.
     """
     num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
     pid = tl.program_id(0)
@@ -235,12 +217,15 @@ def _attn_fwd_kernel(
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] row of this (sequence, head group)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    q_pos, head = _row_coords(offs_m, h_grid, GROUP, PACK_GQA)  # [BLOCK_M] query position and head of each row
     if PACK_GQA:
+        q_pos = offs_m // GROUP  # [BLOCK_M] query position inside the sequence
+        head = h_grid * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
         head_k = h_grid
         q_first = m_start // GROUP
         q_last = tl.minimum((m_start + BLOCK_M - 1) // GROUP, seqlen_q - 1)
     else:
+        q_pos = offs_m
+        head = tl.zeros([BLOCK_M], dtype=tl.int32) + h_grid
         head_k = h_grid // GROUP
         q_first = m_start
         q_last = tl.minimum(m_start + BLOCK_M - 1, seqlen_q - 1)
@@ -370,36 +355,3 @@ def _attn_fwd_kernel(
     tl.store(Out + o_rows[:, None] + offs_dv[None, :], b_o.to(Out.dtype.element_ty), mask=o_mask)
     l_rows = split * stride_l_split + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_ls
     tl.store(Lse + l_rows, lse, mask=row_ok)
-
-    if MERGE_SPLITS:
-        # The last of the row block's split programs to arrive merges every split's partial of its
-        # rows (at most MERGE_ROWS: the launcher sees to it). Every thread's stores above must be
-        # visible to its loads: the barrier orders them before the counter's atomic, which Triton
-        # runs in one thread and whose release (acq_rel, GPU scope) publishes them; in the last
-        # program the same atomic's acquire precedes every thread's reads, as Triton hands its
-        # result to the others through shared memory behind a barrier (cooperative groups' grid
-        # sync: bar.sync, then one thread's fenced atomic; sm_90 SASS: BAR.SYNC, MEMBAR.ALL.GPU,
-        # ATOMG.E.ADD.STRONG.GPU, CCTL.IVALL, BAR.SYNC).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            offs_r = m_start + tl.arange(0, MERGE_ROWS)  # [MERGE_ROWS]
-            r_pos, r_head = _row_coords(offs_r, h_grid, GROUP, PACK_GQA)
-            r_ok = r_pos < seqlen_q
-            r_tok = (q_start + r_pos).to(tl.int64)  # [MERGE_ROWS]
-            r_head = r_head.to(tl.int64)
-            m0 = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)  # [MERGE_ROWS] the state merged from
-            l0 = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-            if HAS_SINK:  # the sink's state, weight 1 at m = its lse, output 0
-                m0 = tl.load(Sinks + r_head, mask=r_ok, other=0.0) * LOG2E
-                l0 += 1.0
-            out_r, lse_r = merge_splits(
-                Out + b64 * stride_ob + r_tok * stride_os + r_head * stride_oh,
-                Lse + b64 * stride_lb + r_head * stride_lh + r_tok * stride_ls, r_ok, stride_o_split, stride_l_split,
-                num_splits, m0, l0, MERGE_ROWS, HEAD_DIM_V, HEAD_DIM_V_PAD,
-                MERGE_BLOCK_S)  # [MERGE_ROWS, HEAD_DIM_V_PAD], [MERGE_ROWS]
-            mo_rows = b64 * stride_mob + r_tok * stride_mos + r_head * stride_moh  # [MERGE_ROWS]
-            mo_mask = r_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # [MERGE_ROWS, HEAD_DIM_V_PAD]
-            tl.store(MergeOut + mo_rows[:, None] + offs_dv[None, :], out_r.to(MergeOut.dtype.element_ty), mask=mo_mask)
-            tl.store(MergeLse + b64 * stride_mlb + r_head * stride_mlh + r_tok * stride_mls, lse_r, mask=r_ok)
-            tl.store(Counters + pid, 0)  # zero again for the next launch on this buffer

@@ -12,13 +12,12 @@ all of it and works the launch out on every call; a serving loop can do that onc
 ``plan.run(...)`` returns what ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...,
 cache_seqlens=cache_seqlens, block_table=block_table, ...)`` returns, bit for bit. The plan
 checks the inputs and the cache lengths and table once, works out the split layout and the
-kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace and the
-split merge's arrival counters once (the layers run one after the other, so they share them:
-run a plan's layers on one stream, or capture them in one CUDA graph); ``run`` only compares
-each layer's tensors with the planned shapes and launches: the append of the new keys
-(rotated when asked) and attention, no host-device synchronisation, so a step can be
-captured in a CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to
-the plan. Not planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
+kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once (the
+layers run one after the other on the stream, so they share it); ``run`` only compares each
+layer's tensors with the planned shapes and launches: the append of the new keys (rotated
+when asked) and attention, no host-device synchronisation, so a step can be captured in a
+CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
+planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
 ``cache_leftpad`` (batch,) int32, as for ``flash_attn_with_kvcache``: sequence b attends to slots
 cache_leftpad[b] ... of its contiguous cache row (a left-padded batch, as transformers' generate()
@@ -99,7 +98,7 @@ class DecodePlan:
         if self.packed is not None:  # q, out and lse as the packed call has them
             self._out_shape = (batch * q.shape[1], q.shape[2], v_cache.shape[-1])
             self._lse_shape = (q.shape[2], batch * q.shape[1])
-        self._fwd = self._workspace = self._counters = None
+        self._fwd = self._workspace = None
         if backend_name(q.device) == "triton":
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
@@ -110,7 +109,6 @@ class DecodePlan:
                 num_splits=num_splits, learnable_sink=learnable_sink if self.sinks else None,
                 k_descale=self.descales[0])
             self._workspace = self._fwd.new_workspace(q.device)
-            self._counters = self._fwd.new_counters(q.device)
 
     def _operands(self, q, k_cache, v_cache) -> tuple:
         """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call: its own
@@ -166,7 +164,7 @@ class DecodePlan:
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
             self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, cu_q, cu_k, seqused_k,
                           self.block_table, self._workspace, learnable_sink=sink, k_descale=self.descales[0],
-                          v_descale=self.descales[1], counters=self._counters)
+                          v_descale=self.descales[1])
         else:
             out, lse = attention(q, k_cache, v_cache, self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q, max_seqlen_k=self.capacity,
