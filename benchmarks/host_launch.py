@@ -20,12 +20,26 @@ issue #17's "host time of one eager call, measured without the kernel". The valu
 as they do on a GPU (``value_mode`` "device"; the cache check asserting in its kernel); the
 other asynchronous assertions are made on a true flag, since stand-in kernels write nothing. overhead.py times whole calls on the GPU.
 
-    python benchmarks/host_launch.py [--calls 2000] [--repeat 7]
+Last, one eager training step as ``benchmarks/prefill.py`` times it (``flash_attn_func`` on q, k, v
+that require grad, then ``.backward(dout)``; grads set to None between steps, as its
+``grad_to_none``) at 1 x 512 x 16 x 128 bf16, causal and not: the forward alone (it records the
+graph) and forward + backward, the backward's three launches through the stand-in too. On the
+CPU the dispatch takes the portable kernels (the Gluon ones need sm_90), and autograd runs the
+backward on the calling thread (on a GPU host, on its device thread).
+
+CPU tensors stand in for CUDA ones, whose caching allocator hands a freed block back without a
+system call; glibc, left alone, returns a freed 2 MB tensor to the system and maps it again on
+the next step (brk/mmap and page faults: 5-10 µs a tensor on the 2-core machine). ``main`` first
+tells glibc to keep freed memory (``mallopt``), so that an allocation costs about what a cached
+one does; ``--glibc-default`` leaves glibc as it is.
+
+    python benchmarks/host_launch.py [--calls 2000] [--repeat 7] [--glibc-default]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -41,6 +55,7 @@ from triton.runtime import driver  # noqa: E402
 import tileattn  # noqa: E402
 import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
+import tileattn.gpu.backward as B  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
 import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
@@ -90,6 +105,18 @@ class _Kernels:
         return run
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep freed memory for the next allocation, as a caching allocator does: no
+    trimming of the heap's top, no mmap below 32 MiB (the most ``M_MMAP_THRESHOLD`` takes on a
+    64-bit system). False where that cannot be done (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def median_us(fn, calls: int, repeat: int) -> float:
     fn()
     times = []
@@ -132,11 +159,31 @@ def whole_calls():
     yield "flash_attn_func, dense k/v", lambda: tileattn.flash_attn_func(q, kc, vc, causal=True)
 
 
+def training_steps():
+    """(name, call) of one eager training step at 1 x 512 x 16 x 128 bf16: the forward with inputs
+    that require grad, and forward + backward (grads dropped before each step)."""
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(1, 512, 16, 128, dtype=dt, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 512, 16, 128, dtype=dt)
+
+    def step(causal):
+        q.grad = k.grad = v.grad = None
+        tileattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
+
+    for causal in (False, True):
+        mask = "causal" if causal else "non-causal"
+        yield f"forward (requires_grad), {mask}", lambda causal=causal: tileattn.flash_attn_func(q, k, v, causal=causal)
+        yield f"forward + backward, {mask}", lambda causal=causal: step(causal)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--glibc-default", action="store_true", help="leave glibc's trimming and mmap as they are")
     args = p.parse_args()
+    if not args.glibc_default:
+        keep_freed_memory()
     driver.set_active(_Driver())
     L._current_device = lambda: 0
     L._current_stream = lambda device: 0
@@ -174,6 +221,11 @@ def main():
     _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
     print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}")
     for name, call in whole_calls():
+        print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
+    B._attn_bwd_preprocess = _Kernels(B._attn_bwd_preprocess)
+    B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
+    print(f"\n{'training step, 1 x 512 x 16 x 128 bf16':44s} {'µs per step, median':>20s}")
+    for name, call in training_steps():
         print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
 
 

@@ -94,17 +94,21 @@ def test_cpu_overhead_script_runs():
 def test_host_launch_times_triton_and_direct_launches():
     """host_launch.py runs Triton's launch path on a stand-in driver; the direct launch is taken
     (the script asserts it), every launcher case prints its three timings and every whole
-    flash_attn_with_kvcache or flash_attn_func call its one."""
+    flash_attn_with_kvcache or flash_attn_func call its one, and every training step its one."""
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_launch.py"), "--calls", "20", "--repeat", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    launchers, whole = proc.stdout.split("\n\n")
+    launchers, whole, training = proc.stdout.split("\n\n")
     rows = [line.split() for line in launchers.splitlines()[1:]]
     assert len(rows) == 3 and all(float(r[-1]) > 0 for r in rows), proc.stdout
     calls = [line.rsplit(maxsplit=1) for line in whole.strip().splitlines()[1:]]
     assert [name.strip() for name, _ in calls] == ["decode contiguous", "decode paged16", "decode contiguous + append",
                                                    "decode paged16 + append", "flash_attn_func, dense k/v"], proc.stdout
     assert all(float(us) > 0 for _, us in calls), proc.stdout
+    steps = [line.rsplit(maxsplit=1) for line in training.strip().splitlines()[1:]]
+    assert [name.strip() for name, _ in steps] == [f"{what}, {mask}" for mask in ("non-causal", "causal") for what in
+                                                   ("forward (requires_grad)", "forward + backward")], proc.stdout
+    assert all(float(us) > 0 for _, us in steps), proc.stdout
 
 
 def test_serving_benchmark_outputs_agree(tmp_path):
