@@ -22,10 +22,13 @@ other asynchronous assertions are made on a true flag, since stand-in kernels wr
 
 Last, one eager training step as ``benchmarks/prefill.py`` times it (``flash_attn_func`` on q, k, v
 that require grad, then ``.backward(dout)``; grads set to None between steps, as its
-``grad_to_none``) at 1 x 512 x 16 x 128 bf16, causal and not: the forward alone (it records the
-graph) and forward + backward, the backward's three launches through the stand-in too. On the
-CPU the dispatch takes the portable kernels (the Gluon ones need sm_90), and autograd runs the
-backward on the calling thread (on a GPU host, on its device thread).
+``grad_to_none``) at its 512-token cells with batch 1 (bf16, 16 heads of 128 or 32 of 64, causal
+and not): the forward alone (it records the graph) and forward + backward, every launch through the
+stand-in. First as this CPU dispatches (the portable kernels: the Gluon ones need sm_90), then as
+the H200 does: the Hopper rules' device test passed, the Gluon kernels stand-ins as well (their
+descriptors and launches timed; at this length the rules send some calls to the portable kernels,
+the last column says which). Autograd runs the backward on the calling thread here (on a GPU host,
+on its device thread).
 
 CPU tensors stand in for CUDA ones, whose caching allocator hands a freed block back without a
 system call; glibc, left alone, returns a freed 2 MB tensor to the system and maps it again on
@@ -57,6 +60,10 @@ import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
 import tileattn.gpu.backward as B  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
+import tileattn.gpu.hopper as HP  # noqa: E402
+import tileattn.gpu.hopper_bwd as HB  # noqa: E402
+import tileattn.kernels.attn_bwd_hopper as KB  # noqa: E402
+import tileattn.kernels.attn_fwd_hopper as KF  # noqa: E402
 import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.ops import _validate  # noqa: E402
@@ -159,21 +166,50 @@ def whole_calls():
     yield "flash_attn_func, dense k/v", lambda: tileattn.flash_attn_func(q, kc, vc, causal=True)
 
 
-def training_steps():
-    """(name, call) of one eager training step at 1 x 512 x 16 x 128 bf16: the forward with inputs
-    that require grad, and forward + backward (grads dropped before each step)."""
-    dt = torch.bfloat16
-    q, k, v = (torch.randn(1, 512, 16, 128, dtype=dt, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, 512, 16, 128, dtype=dt)
+# prefill.py's 512-token cells (its batch 32 cut to 1: the host's work does not depend on it):
+# (nheads, head_dim, causal), bf16
+TRAINING_CELLS = ((16, 128, False), (16, 128, True), (32, 64, False), (32, 64, True))
 
-    def step(causal):
+
+def training_step(nheads: int, head_dim: int, causal: bool, seqlen: int = 512):
+    """One eager training step on (1, seqlen, nheads, head_dim) bf16 as prefill.py times it: the
+    call that records the graph, and the call plus ``.backward(dout)`` with the grads dropped
+    first (its ``grad_to_none``). Returns (forward, step, (q, k, v, dout))."""
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(1, seqlen, nheads, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, seqlen, nheads, head_dim, dtype=dt)
+
+    def forward():
+        tileattn.flash_attn_func(q, k, v, causal=causal)
+
+    def step():
         q.grad = k.grad = v.grad = None
         tileattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
 
-    for causal in (False, True):
-        mask = "causal" if causal else "non-causal"
-        yield f"forward (requires_grad), {mask}", lambda causal=causal: tileattn.flash_attn_func(q, k, v, causal=causal)
-        yield f"forward + backward, {mask}", lambda causal=causal: step(causal)
+    return forward, step, (q, k, v, dout)
+
+
+def cell_name(nheads: int, head_dim: int, causal: bool) -> str:
+    return f"1 x 512 x {nheads} x {head_dim}, {'causal' if causal else 'non-causal'}"
+
+
+def kernel_paths(tensors, causal: bool) -> str:
+    """Which forward and backward the dispatch takes for these tensors now: "gluon" or "portable"."""
+    q, k, v, dout = (t.detach() for t in tensors)
+    params = AttnParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
+    fwd = HP.hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+                               num_splits=1)
+    bwd = HB.hopper_bwd_reason(dout, q, k, v, q, k, v, params)
+    return " / ".join("portable" if why else "gluon" for why in (fwd, bwd))
+
+
+def print_training(title: str, cells, args) -> None:
+    print(f"\n{title:44s} {'forward':>8s} {'fwd + bwd':>10s}   kernels (fwd / bwd)")
+    for nheads, head_dim, causal in cells:
+        forward, step, tensors = training_step(nheads, head_dim, causal)
+        fwd_us, step_us = (median_us(call, args.calls, args.repeat) for call in (forward, step))
+        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f}   "
+              f"{kernel_paths(tensors, causal)}")
 
 
 def main():
@@ -224,9 +260,13 @@ def main():
         print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
     B._attn_bwd_preprocess = _Kernels(B._attn_bwd_preprocess)
     B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
-    print(f"\n{'training step, 1 x 512 x 16 x 128 bf16':44s} {'µs per step, median':>20s}")
-    for name, call in training_steps():
-        print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
+    print_training("training step (µs, median), as on this CPU", TRAINING_CELLS[:2], args)
+    # as on the H200: the Hopper rules' device test passed (sm_90, Gluon; TILEATTN_HOPPER still
+    # read), the Gluon kernels stand-ins too
+    HP.device_reason = HB.device_reason = lambda q: None if HP.hopper_enabled() else "TILEATTN_HOPPER=0"
+    KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel = (_Kernels(KF._attn_fwd_hopper_kernel),
+                                                              _Kernels(KB._attn_bwd_hopper_kernel))
+    print_training("training step (µs, median), as on the H200", TRAINING_CELLS, args)
 
 
 if __name__ == "__main__":
