@@ -204,3 +204,40 @@ def test_bad_input_after_graph_lane_steps_still_raises():
     with pytest.raises(TypeError, match="causal must be a bool"):
         tileattn.flash_attn_func(q, k, v, causal=1)
     assert lane().calls == 1
+
+
+@TRITON_ONLY
+@pytest.mark.parametrize("opts", [dict(causal=True, sink=True), dict(alibi=True, window_size=(8, -1)),
+                                  dict(deterministic=True, softmax_scale=0.3)])
+def test_lane_steps_equal_the_full_path_bitwise(opts):
+    """Sinks (their gradient too), ALiBi slopes given per call, deterministic: each of five steps
+    through the lane (its prepared forward and backward from the third) gives bitwise the
+    gradients of the same step through the full path (an empty memo)."""
+    gen = torch.Generator().manual_seed(107)
+    opts = dict(opts)
+    sink = torch.randn(SHAPES[0][2], generator=gen).to(DEV).requires_grad_() if opts.pop("sink", False) else None
+    slopes = torch.rand(SHAPES[0][2], generator=gen).to(DEV) if opts.pop("alibi", False) else None
+    q, k, v = leaves(gen)
+    leaves_ = [t for t in (q, k, v, sink) if t is not None]
+
+    def grads():
+        for t in leaves_:
+            t.grad = None
+        out = tileattn.flash_attn_func(q, k, v, alibi_slopes=slopes, learnable_sink=sink, **opts)
+        out.backward(dout)
+        return [t.grad.clone() for t in leaves_]
+
+    for _ in range(5):
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        dout = torch.randn(SHAPES[0], generator=gen).to(torch.bfloat16).to(DEV)
+        got = grads()
+        entries = dict(dense_ops._CHECKED.entries)
+        dense_ops._CHECKED.clear()
+        expect = grads()
+        dense_ops._CHECKED.entries.clear()
+        dense_ops._CHECKED.entries.update(entries)
+        for g, e in zip(got, expect):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert lane().calls == 4 and lane().call.bwd.calls == 3

@@ -218,7 +218,8 @@ class _EagerAttention(torch.autograd.Function):
             backend.attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, **options)
             if bwd is None:  # a graph lane's first backward: its later ones decided once (tuned by now)
                 prepare_bwd = getattr(backend, "prepare_bwd", None)
-                call.bwd = prepare_bwd is not None and prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, **options) or False
+                prepared = prepare_bwd and prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, **options)
+                call.bwd = prepared or False
         return dq, dk, dv, None, None, None, dsink, None
 
 
