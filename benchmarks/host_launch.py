@@ -20,12 +20,29 @@ issue #17's "host time of one eager call, measured without the kernel". The valu
 as they do on a GPU (``value_mode`` "device"; the cache check asserting in its kernel); the
 other asynchronous assertions are made on a true flag, since stand-in kernels write nothing. overhead.py times whole calls on the GPU.
 
-    python benchmarks/host_launch.py [--calls 2000] [--repeat 7]
+Last, one eager training step as ``benchmarks/prefill.py`` times it (``flash_attn_func`` on q, k, v
+that require grad, then ``.backward(dout)``; grads set to None between steps, as its
+``grad_to_none``) at its 512-token cells with batch 1 (bf16, 16 heads of 128 or 32 of 64, causal
+and not): the forward alone (it records the graph) and forward + backward, every launch through the
+stand-in. First as this CPU dispatches (the portable kernels: the Gluon ones need sm_90), then as
+the H200 does: the Hopper rules' device test passed, the Gluon kernels stand-ins as well (their
+descriptors and launches timed; at this length the rules send some calls to the portable kernels,
+the last column says which). Autograd runs the backward on the calling thread here (on a GPU host,
+on its device thread).
+
+CPU tensors stand in for CUDA ones, whose caching allocator hands a freed block back without a
+system call; glibc, left alone, returns a freed 2 MB tensor to the system and maps it again on
+the next step (brk/mmap and page faults: 5-10 µs a tensor on the 2-core machine). ``main`` first
+tells glibc to keep freed memory (``mallopt``), so that an allocation costs about what a cached
+one does; ``--glibc-default`` leaves glibc as it is.
+
+    python benchmarks/host_launch.py [--calls 2000] [--repeat 7] [--glibc-default]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -41,7 +58,12 @@ from triton.runtime import driver  # noqa: E402
 import tileattn  # noqa: E402
 import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
+import tileattn.gpu.backward as B  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
+import tileattn.gpu.hopper as HP  # noqa: E402
+import tileattn.gpu.hopper_bwd as HB  # noqa: E402
+import tileattn.kernels.attn_bwd_hopper as KB  # noqa: E402
+import tileattn.kernels.attn_fwd_hopper as KF  # noqa: E402
 import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.ops import _validate  # noqa: E402
@@ -90,6 +112,18 @@ class _Kernels:
         return run
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep freed memory for the next allocation, as a caching allocator does: no
+    trimming of the heap's top, no mmap below 32 MiB (the most ``M_MMAP_THRESHOLD`` takes on a
+    64-bit system). False where that cannot be done (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def median_us(fn, calls: int, repeat: int) -> float:
     fn()
     times = []
@@ -132,11 +166,60 @@ def whole_calls():
     yield "flash_attn_func, dense k/v", lambda: tileattn.flash_attn_func(q, kc, vc, causal=True)
 
 
+# prefill.py's 512-token cells (its batch 32 cut to 1: the host's work does not depend on it):
+# (nheads, head_dim, causal), bf16
+TRAINING_CELLS = ((16, 128, False), (16, 128, True), (32, 64, False), (32, 64, True))
+
+
+def training_step(nheads: int, head_dim: int, causal: bool, seqlen: int = 512):
+    """One eager training step on (1, seqlen, nheads, head_dim) bf16 as prefill.py times it: the
+    call that records the graph, and the call plus ``.backward(dout)`` with the grads dropped
+    first (its ``grad_to_none``). Returns (forward, step, (q, k, v, dout))."""
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(1, seqlen, nheads, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, seqlen, nheads, head_dim, dtype=dt)
+
+    def forward():
+        tileattn.flash_attn_func(q, k, v, causal=causal)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        tileattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
+
+    return forward, step, (q, k, v, dout)
+
+
+def cell_name(nheads: int, head_dim: int, causal: bool) -> str:
+    return f"1 x 512 x {nheads} x {head_dim}, {'causal' if causal else 'non-causal'}"
+
+
+def kernel_paths(tensors, causal: bool) -> str:
+    """Which forward and backward the dispatch takes for these tensors now: "gluon" or "portable"."""
+    q, k, v, dout = (t.detach() for t in tensors)
+    params = AttnParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
+    fwd = HP.hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
+                               num_splits=1)
+    bwd = HB.hopper_bwd_reason(dout, q, k, v, q, k, v, params)
+    return " / ".join("portable" if why else "gluon" for why in (fwd, bwd))
+
+
+def print_training(title: str, cells, args) -> None:
+    print(f"\n{title:44s} {'forward':>8s} {'fwd + bwd':>10s}   kernels (fwd / bwd)")
+    for nheads, head_dim, causal in cells:
+        forward, step, tensors = training_step(nheads, head_dim, causal)
+        fwd_us, step_us = (median_us(call, args.calls, args.repeat) for call in (forward, step))
+        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f}   "
+              f"{kernel_paths(tensors, causal)}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--glibc-default", action="store_true", help="leave glibc's trimming and mmap as they are")
     args = p.parse_args()
+    if not args.glibc_default:
+        keep_freed_memory()
     driver.set_active(_Driver())
     L._current_device = lambda: 0
     L._current_stream = lambda device: 0
@@ -175,6 +258,15 @@ def main():
     print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}")
     for name, call in whole_calls():
         print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
+    B._attn_bwd_preprocess = _Kernels(B._attn_bwd_preprocess)
+    B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
+    print_training("training step (µs, median), as on this CPU", TRAINING_CELLS[:2], args)
+    # as on the H200: the Hopper rules' device test passed (sm_90, Gluon; TILEATTN_HOPPER still
+    # read), the Gluon kernels stand-ins too
+    HP.device_reason = HB.device_reason = lambda q: None if HP.hopper_enabled() else "TILEATTN_HOPPER=0"
+    KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel = (_Kernels(KF._attn_fwd_hopper_kernel),
+                                                              _Kernels(KB._attn_bwd_hopper_kernel))
+    print_training("training step (µs, median), as on the H200", TRAINING_CELLS, args)
 
 
 if __name__ == "__main__":

@@ -93,18 +93,32 @@ def test_cpu_overhead_script_runs():
 
 def test_host_launch_times_triton_and_direct_launches():
     """host_launch.py runs Triton's launch path on a stand-in driver; the direct launch is taken
-    (the script asserts it), every launcher case prints its three timings and every whole
-    flash_attn_with_kvcache or flash_attn_func call its one."""
+    (the script asserts it), every launcher case prints its three timings, every whole
+    flash_attn_with_kvcache or flash_attn_func call its one, and every training step its forward
+    and forward + backward, as this CPU dispatches and as the H200 does (the Gluon kernels where
+    the Hopper rules take the 512-token calls)."""
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_launch.py"), "--calls", "20", "--repeat", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    launchers, whole = proc.stdout.split("\n\n")
+    launchers, whole, cpu_steps, h200_steps = proc.stdout.split("\n\n")
     rows = [line.split() for line in launchers.splitlines()[1:]]
     assert len(rows) == 3 and all(float(r[-1]) > 0 for r in rows), proc.stdout
     calls = [line.rsplit(maxsplit=1) for line in whole.strip().splitlines()[1:]]
     assert [name.strip() for name, _ in calls] == ["decode contiguous", "decode paged16", "decode contiguous + append",
                                                    "decode paged16 + append", "flash_attn_func, dense k/v"], proc.stdout
     assert all(float(us) > 0 for _, us in calls), proc.stdout
+    paths = {}
+    for table in (cpu_steps, h200_steps):
+        for line in table.strip().splitlines()[1:]:
+            cell, numbers = line.split("  ", 1)
+            fwd_us, step_us, path = numbers.split(maxsplit=2)
+            assert float(fwd_us) > 0 and float(step_us) > 0, proc.stdout
+            paths.setdefault(cell, []).append(path.strip())
+    cpu_paths = [p[0] for p in paths.values() if len(p) == 2]
+    h200_paths = [p[-1] for p in paths.values()]
+    assert len(paths) == 4 and len(cpu_paths) == 2 and set(cpu_paths) == {"portable / portable"}, proc.stdout
+    kinds = {f"{fwd} / {bwd}" for fwd in ("gluon", "portable") for bwd in ("gluon", "portable")}
+    assert set(h200_paths) <= kinds and any(p.startswith("gluon") for p in h200_paths), proc.stdout
 
 
 def test_serving_benchmark_outputs_agree(tmp_path):

@@ -18,6 +18,7 @@ from tileattn.contract import AttnParams
 from tileattn.ops import _validate as V
 from tileattn.ops import attention as dense_ops
 from tileattn.ops import kvcache as kv_ops
+from tileattn.ops._custom import GraphLane
 from test_memo import assert_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,8 +152,9 @@ def test_kept_device_check_reads_each_calls_values(monkeypatch):
 
 
 def test_dense_lane_new_values_then_grad_then_no_grad():
-    """flash_attn_func's lane: new values each call; a call that needs a graph takes the autograd
-    path (its own signature) and its gradient flows; no-grad calls after it take the lane again."""
+    """flash_attn_func's lane: new values each call; a call that needs a graph has its own
+    signature, whose lane (after its first call) is a graph lane (tests/test_graph_lane.py), and
+    its gradient flows; no-grad calls after it take the no-grad lane again."""
     gen = torch.Generator().manual_seed(85)
     shape = (2, 3, 4, 16)
     for _ in range(3):
@@ -171,7 +173,10 @@ def test_dense_lane_new_values_then_grad_then_no_grad():
     out.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
     graph_entry = next(e for e in dense_ops._CHECKED.entries.values() if e is not no_grad)
-    assert graph_entry.lane is False
+    assert isinstance(graph_entry.lane, GraphLane) and graph_entry.lane.calls == 0
+    qg.grad = None
+    tileattn.flash_attn_func(qg, k, v, causal=True).sum().backward()
+    assert graph_entry.lane.calls == 1 and torch.isfinite(qg.grad).all()
     with torch.no_grad():
         tileattn.flash_attn_func(qg, k, v, causal=True)
     assert no_grad.lane.calls == 2
@@ -196,19 +201,21 @@ TRITON_ONLY = pytest.mark.parametrize("backend", ["triton"], indirect=True)  # t
 
 
 @TRITON_ONLY
-def test_prepare_fwd_leaves_what_the_hopper_kernel_may_take():
-    """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count) are decided per call
-    (environment, alignment): no prepared launch; decoding shapes and caches get one."""
+def test_prepare_fwd_asks_the_hopper_rule_per_call_for_prefill_shapes():
+    """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count), which the Hopper
+    kernel may take depending on the environment and alignment, get a launch that asks its rule
+    on every call (tests/test_graph_lane.py runs it both ways); decoding shapes and caches, which
+    the rule declines by shape, get one that never asks."""
     params = AttnParams(0.25)
     rows = prepared.MIN_SEQLEN_Q
     q = torch.empty(1, rows, 2, 64, device=DEV)
     lse = torch.empty(1, 2, rows, device=DEV)
     opts = dict(params=params, alibi_slopes=None, max_seqlen_q=rows, max_seqlen_k=rows, seqused_k=None,
                 block_table=None, learnable_sink=None, k_descale=None)
-    assert prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts) is None
+    assert prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts).hopper
     q1 = q[:, :1]
     for num_splits in (1, 2):
-        assert prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts) is not None
+        assert not prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts).hopper
 
 
 @TRITON_ONLY

@@ -366,3 +366,43 @@ def test_arg_classes_name_what_triton_specialises():
     assert cls(t32, None, 32, 2**40, desc) != base
     wider = SimpleNamespace(block_shape=[1, 128, 1, 128], base=t16)
     assert cls(t32, None, 32, 5, wider) != base
+
+
+def test_arg_classes_equal_the_isinstance_chain():
+    """``arg_classes`` tells plain ints, None, floats, bools and tensors apart by their exact type
+    first: for every kind of argument (subclasses of int and float, numpy floats, descriptors) it
+    gives what the chain of isinstance tests gives."""
+    import enum
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tileattn.gpu._launch import _I32_MAX, _I32_MIN, arg_classes
+
+    def chain(fn, args):
+        out = []
+        for name, v in zip(fn.arg_names, args):
+            if isinstance(v, torch.Tensor):
+                out.append(v.dtype)
+            elif v is None or isinstance(v, (bool, float)):
+                out.append(v if v is None else type(v))
+            elif isinstance(v, int):
+                out.append((_I32_MIN <= v <= _I32_MAX,) if name in fn.do_not_specialize
+                           else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
+            else:
+                out.append((tuple(v.block_shape), v.base.dtype))
+        return tuple(out)
+
+    class Small(enum.IntEnum):
+        ONE = 1
+        BIG = 2**40
+
+    desc = SimpleNamespace(block_shape=[1, 64, 1, 128], base=torch.empty(1, dtype=torch.float16))
+    values = [1, 0, 16, 17, -16, 2**31, -(2**31) - 1, True, False, 0.5, np.float64(2.0), None, Small.ONE, Small.BIG,
+              torch.empty(2), torch.nn.Parameter(torch.empty(2, dtype=torch.bfloat16)), desc]
+    names = [f"a{i}" for i in range(len(values))]
+    for loose in ([], names[::2]):
+        fn = SimpleNamespace(arg_names=names, do_not_specialize=loose)
+        for shift in range(3):  # each value under a specialised and an unspecialised name
+            args = values[shift:] + values[:shift]
+            assert arg_classes(fn, args) == chain(fn, args)

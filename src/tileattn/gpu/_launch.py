@@ -54,19 +54,27 @@ def arg_classes(fn, args) -> tuple:
     a tensor's dtype, None, an integer's class (as ``int_class``), a tensor descriptor's block
     shape and dtype (its layout follows from them: the launchers make it so), else the type.
     For launches whose arguments change kind from call to call (the Gluon kernels' optional
-    tensors and their integers): a ``launch_for`` signature computed per call."""
+    tensors and their integers): a ``launch_for`` signature computed per call, so the plain
+    kinds (int, None, float, bool, tensor) are told apart by their exact type first."""
     loose = fn.do_not_specialize
     classes = []
+    append = classes.append
     for name, v in zip(fn.arg_names, args):
-        if isinstance(v, torch.Tensor):
-            classes.append(v.dtype)
-        elif v is None or isinstance(v, (bool, float)):
-            classes.append(v if v is None else type(v))
+        kind = type(v)
+        if kind is int:
+            append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
+        elif v is None:
+            append(None)
+        elif kind is float or kind is bool:
+            append(kind)
+        elif isinstance(v, torch.Tensor):
+            append(v.dtype)
+        elif isinstance(v, (bool, float)):
+            append(kind)
         elif isinstance(v, int):
-            classes.append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0,
-                                                                                _I32_MIN <= v <= _I32_MAX))
+            append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
         else:  # a TensorDescriptor
-            classes.append((tuple(v.block_shape), v.base.dtype))
+            append((tuple(v.block_shape), v.base.dtype))
     return tuple(classes)
 
 

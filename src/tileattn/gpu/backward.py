@@ -17,7 +17,7 @@ from ._launch import cdiv, config_options, contiguous_strides, int_class, launch
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper_bwd import hopper_attn_bwd, hopper_bwd_reason
 
-__all__ = ["attn_bwd", "clear_plans", "BwdPlan"]
+__all__ = ["attn_bwd", "clear_plans", "prepare_bwd", "BwdPlan", "PreparedBwd"]
 
 _MAX_GRID_YZ = 65535
 _PREPROCESS_BLOCK = 64
@@ -100,8 +100,14 @@ def _tuned(kind: str, bucket: int) -> Tuned:
 
 
 def clear_plans() -> None:
-    """Forget every backward launch plan (as ``attention.clear_plans``)."""
+    """Forget every backward launch plan (as ``attention.clear_plans``); the plans a
+    ``PreparedBwd`` holds are made again (``generation``)."""
+    global generation
     _PLANS.clear()
+    generation += 1
+
+
+generation = 0  # how many times the plans were forgotten
 
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
@@ -131,6 +137,16 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
+    plan = _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, deterministic, dlse, learnable_sink)
+    plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
+             learnable_sink, dsink)
+
+
+def _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+          max_seqlen_k, deterministic, dlse, learnable_sink) -> "BwdPlan":
+    """The plan of one call (``dout`` with a unit last stride): the Hopper rule asked, the key
+    built, the plan looked up or made."""
     hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
                                varlen=cu_seqlens_q is not None, max_seqlen_q=max_seqlen_q) is None
     key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape[-1], v.stride(), out.stride(), lse.shape, lse.stride(),
@@ -143,9 +159,72 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
            None if learnable_sink is None else learnable_sink.dtype,
            max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
            params.dropout_p > 0, bool(deterministic), hopper)
-    plan = plan_for(_PLANS, key, BwdPlan)
-    plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
-             learnable_sink, dsink)
+    return plan_for(_PLANS, key, BwdPlan)
+
+
+def kernel_scalars(params, nheads: int) -> tuple:
+    """The dK/dV and dQ kernels' arguments after the integers, for a call of ``nheads`` query
+    heads: scale, softcap, window, diagonal shift and dropout's counters, seed, threshold and
+    rescale."""
+    p = float(params.dropout_p)
+    return (float(params.softmax_scale), float(params.softcap), int(params.window_left), int(params.window_right),
+            int(params.diag_shift), *params.dropout_offsets(nheads), int(params.dropout_seed) % 2**32,
+            keep_threshold(p), 1.0 / (1.0 - p) if p > 0 else 1.0)
+
+
+def prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q: int, max_seqlen_k: int, deterministic: bool, dlse, learnable_sink,
+                dsink) -> "PreparedBwd | None":
+    """``attn_bwd`` decided once for every later call whose q, k, v, out, lse, dq, dk, dv, ALiBi
+    slopes and sinks have these tensors' metadata and whose options are these (the caller vouches
+    for them: the ops layer's memo entry of a forward signature, ``ops._custom.GraphLane``, after
+    that signature's first backward), or None where it cannot be: packed (varlen) calls and
+    dropout (a seed per call). The prepared launch checks per call what autograd may change (dO's
+    strides and dtype, whether a gradient reaches the LSE and its layout) and asks the Hopper rule
+    (the environment, the pointers' alignment); anything new goes to ``attn_bwd``."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None or params.dropout_p > 0:
+        return None
+    return PreparedBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic), (dout.stride(), dout.dtype),
+                       None if dlse is None else (dlse.stride(), dlse.dtype), kernel_scalars(params, q.shape[-2]))
+
+
+class PreparedBwd:
+    """``prepare_bwd``'s launch: ``prepared(dout, dlse, q, k, v, out, lse, dq, dk, dv, alibi_slopes,
+    learnable_sink, dsink)`` does what ``attn_bwd`` with the prepared options does: with dO and
+    dlse laid out as at preparation, the plan of this call's Hopper decision (made by ``_plan``
+    the first time, kept for both decisions), launched with the kernel scalars worked out once;
+    else ``attn_bwd`` itself. ``calls`` counts the calls that took a kept plan."""
+
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "deterministic", "dout_meta", "dlse_meta", "scalars",
+                 "plans", "generation", "calls")
+
+    def __init__(self, params, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool, dout_meta: tuple,
+                 dlse_meta, scalars: tuple):
+        self.params, self.max_seqlen_q, self.max_seqlen_k = params, max_seqlen_q, max_seqlen_k
+        self.deterministic, self.dout_meta, self.dlse_meta, self.scalars = deterministic, dout_meta, dlse_meta, scalars
+        self.plans, self.generation, self.calls = [None, None], generation, 0
+
+    def __call__(self, dout, dlse, q, k, v, out, lse, dq, dk, dv, alibi_slopes, learnable_sink, dsink) -> None:
+        params = self.params
+        if (dout.stride(), dout.dtype) != self.dout_meta or (
+                (dlse is not None or self.dlse_meta is not None)
+                and (None if dlse is None else (dlse.stride(), dlse.dtype)) != self.dlse_meta):
+            attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, params=params, alibi_slopes=alibi_slopes,
+                     max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+                     deterministic=self.deterministic, dlse=dlse, learnable_sink=learnable_sink, dsink=dsink)
+            return
+        if self.generation != generation:  # the plans were forgotten: their tiles may be stale
+            self.plans, self.generation = [None, None], generation
+        hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
+                                   max_seqlen_q=self.max_seqlen_q) is None
+        plan = self.plans[hopper]
+        if plan is None:
+            plan = self.plans[hopper] = _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, None, None,
+                                              self.max_seqlen_q, self.max_seqlen_k, self.deterministic, dlse,
+                                              learnable_sink)
+        self.calls += 1
+        plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, None, None, dlse, learnable_sink, dsink,
+                 self.scalars)
 
 
 class BwdPlan:
@@ -182,6 +261,8 @@ class BwdPlan:
         # workspaces shaped like lse: delta = rowsum(dO * O) and lse2 = log2(e) lse (+inf if empty)
         self.lse_shape = lse_shape
         ws_full = contiguous_strides(lse_shape)
+        # allocated like lse when lse is laid out as they are (the forward's): empty_like skips parsing a shape
+        self.ws_like_lse = tuple(lse_stride) == ws_full and dtypes[-1] == torch.float32
         ws_strides = (0, ws_full[0]) if varlen else (ws_full[0], ws_full[1])
         head_dim_pad = max(16, next_power_of_2(head_dim))
         head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
@@ -227,13 +308,18 @@ class BwdPlan:
                 (tensor_dtypes, window_left, window_right)))
 
     def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-            dlse=None, learnable_sink=None, dsink=None) -> None:
+            dlse=None, learnable_sink=None, dsink=None, scalars=None) -> None:
+        """Launch the plan on one call's tensors (they must have the plan's key); ``scalars``: the
+        kernels' ``kernel_scalars(params, nheads)`` when the caller has them, else worked out here."""
         if dsink is not None:
             dsink.zero_()
         if self.empty:
             return
-        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        lse2 = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.ws_like_lse:
+            delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+        else:
+            delta = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            lse2 = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.preprocess is not None:
             # with sinks, each row's term of -dsink (zeros where no row writes: packed tokens outside every sequence)
             sink_terms = torch.zeros(self.lse_shape, dtype=torch.float32, device=q.device) if self.has_sink else None
@@ -241,15 +327,13 @@ class BwdPlan:
                             sink_terms, *self.pre_ints)
             if sink_terms is not None:  # (B, H, Sq) or packed (H, Tq) -> (H,), summed in a fixed order
                 dsink.copy_(-(sink_terms.sum(dim=1) if cu_seqlens_q is not None else sink_terms.sum(dim=(0, 2))))
-        p = float(params.dropout_p)
-        scalars = (float(params.softmax_scale), float(params.softcap), int(params.window_left),
-                   int(params.window_right), int(params.diag_shift), *params.dropout_offsets(q.shape[-2]),
-                   int(params.dropout_seed) % 2**32, keep_threshold(p),
-                   1.0 / (1.0 - p) if p > 0 else 1.0)
-        if self.hopper:
+        if self.hopper:  # (the plan has no portable kernels)
             hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
                             max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
+            return
+        if scalars is None:
+            scalars = kernel_scalars(params, q.shape[-2])
         for kernel in self.kernels:
             grads = (dk, dv) if kernel.kind == "dkdv" else (dq,)
             kernel((q, k, v, dout, *grads, lse2, delta, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *kernel.ints,

@@ -85,8 +85,15 @@ def _gluon_available() -> bool:
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last."""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    """A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
+    (Asked on every call of the rules: a loop, not ``all`` over a generator.)"""
+    if t.data_ptr() % 16:
+        return False
+    size = t.element_size()
+    for s in t.stride()[:-1]:
+        if s * size % 16:
+            return False
+    return True
 
 
 def device_reason(q) -> str | None:
@@ -178,15 +185,50 @@ def launch_gluon(kernel, grid: tuple[int, int, int], args: tuple, constexprs: di
     of this module) through ``_launch.Launch``: after a shape class's first call, straight to
     the compiled kernel's launcher, without ``JITFunction.run`` binding and specialising ~30
     arguments (for a portable kernel ~36 µs a launch in benchmarks/host_launch.py's stand-in;
-    here per call: three descriptors, ``arg_classes`` and the lookup, ~25 µs on that machine)."""
-    constexprs = dict(constexprs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    launch_for(kernel, constexprs, {"maxnreg": MAXNREG}, arg_classes(kernel, args))(grid, *args)
+    here per call: three descriptors, ``arg_classes`` and the lookup, ~25 µs on that machine). The
+    ``Launch`` is kept per (kernel, the caller's constexprs in its order, ``arg_classes``): no
+    sorted key per call."""
+    classes = arg_classes(kernel, args)
+    key = (kernel, tuple(constexprs.items()), classes)  # the caller's constexprs in its own order
+    launch = _GLUON_LAUNCHES.get(key)
+    if launch is None:
+        launch = _GLUON_LAUNCHES[key] = launch_for(
+            kernel, dict(constexprs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
+            {"maxnreg": MAXNREG}, classes)
+    launch(grid, *args)
+
+
+_GLUON_LAUNCHES: dict = {}  # launch_gluon's (kernel, constexprs, classes) -> launch_for's Launch
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    """A TMA descriptor of ``t`` read in tiles of ``block`` (NVMMA shared layout).
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
+    Triton's constructor validates it (rank, block shape, dtype, strides, base alignment: ~2.5 µs
+    on the 2-core CPU machine, and a launch makes 3 to 8). All but the base's alignment depend only
+    on (shape, strides, block, dtype): the fields of the first validated descriptor of those are
+    kept (``_DESCRIPTOR_FIELDS``, without its base), and a later one is a copy of them with ``t`` as
+    its base, whose alignment is asserted as the constructor does (~0.9 µs)."""
+    key = (t.shape, t.stride(), block, t.dtype)
+    kept = _DESCRIPTOR_FIELDS.get(key)
+    if kept is None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        desc = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
+        if len(_DESCRIPTOR_FIELDS) >= _MAX_DESCRIPTORS:
+            _DESCRIPTOR_FIELDS.clear()
+        _DESCRIPTOR_FIELDS[key] = (type(desc), {name: value for name, value in vars(desc).items() if name != "base"})
+        return desc
+    cls, fields = kept
+    assert t.data_ptr() % 16 == 0, "base must be 16-byte aligned"
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = t
+    return desc
+
+
+_DESCRIPTOR_FIELDS: dict = {}  # (shape, strides, block, dtype) -> (descriptor class, its fields but the base)
+_MAX_DESCRIPTORS = 1024  # kept field sets; all are dropped when full (shapes that do not come back)
 
 
 def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None, cu_seqlens_k=None,

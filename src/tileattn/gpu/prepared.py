@@ -3,20 +3,27 @@
 ``attn_fwd`` decides on every call which kernel runs (the Hopper kernel or the portable one),
 builds the plan key, looks the plan up and assembles ~35 kernel arguments. For a caller whose
 calls all share shapes, strides, dtypes, device, options and which optional tensors are given
-(the ops layer's memo, ``tileattn.ops._memo``), none of that changes from call to call:
-``prepare_fwd`` works it out once and returns the launch with only the tensors left to pass.
+(the ops layer's memo, ``tileattn.ops._memo``), only the Hopper decision can change from call
+to call: ``prepare_fwd`` works the rest out once and returns the launch with only the tensors
+left to pass.
 
-It prepares only calls the Hopper kernel declines by their shapes alone, the first tests of
-``hopper_fwd_reason`` (a KV cache, an explicit split count, fewer than ``MIN_SEQLEN_Q`` query
-rows), since the rest of that rule reads the environment and the pointers' alignment on every
-call; and calls without dropout (whose seed changes every call). ``clear_plans`` (new tile
-constants) sends every prepared launch back to ``attn_fwd``.
+The Hopper rule (``hopper_fwd_reason``) declines some calls by their shapes alone (a KV cache, an
+explicit split count, fewer than ``MIN_SEQLEN_Q`` query rows): their launch never asks it. For
+the others (prefill shapes) the rest of the rule reads the environment and the pointers'
+alignment, so the launch asks it on every call, as ``attn_fwd`` would, and hands a call it
+accepts to ``hopper_attn_fwd``; the portable plan serves the calls it declines (through
+``attn_fwd`` while that plan still has a tile to tune: its first such call tunes it). Calls with
+dropout (whose seed changes every call) get no launch. ``clear_plans`` (new tile constants)
+sends every prepared launch back to ``attn_fwd``.
 """
 
 from __future__ import annotations
 
+import torch
+
 from . import attention as A
-from .hopper import MIN_SEQLEN_Q
+from ._launch import contiguous_strides
+from .hopper import MIN_SEQLEN_Q, hopper_attn_fwd, hopper_fwd_reason
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
 
@@ -26,36 +33,51 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     """``attn_fwd`` on dense (not packed) tensors, prepared for every call with these tensors'
     metadata and these options (see the module docstring), or None where it cannot be. ``out``
     and ``lse`` stand for the outputs of every call: contiguous, ``out`` in q's dtype."""
-    by_shape = block_table is not None or seqused_k is not None or num_splits > 1 or q.shape[1] < MIN_SEQLEN_Q
-    if not by_shape or params.dropout_p > 0:
+    if params.dropout_p > 0:
         return None
+    by_shape = block_table is not None or seqused_k is not None or num_splits > 1 or q.shape[1] < MIN_SEQLEN_Q
     plan = A.plan_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
                       num_splits=num_splits, learnable_sink=learnable_sink, k_descale=k_descale)
-    if plan.fwd is None or plan.long is not None:  # a config still to tune, a mixed batch: per call
+    if plan.long is not None or by_shape and plan.fwd is None:  # a mixed batch, a tile still to tune: per call
         return None
+    # out like q when q is contiguous and as wide as v (torch.empty_like: no shape to parse)
+    out_like_q = out.shape == q.shape and q.stride() == contiguous_strides(q.shape)
     return PreparedFwd(plan, (*plan.call_ints(k, v), *A.scalar_args(params, q.shape[-2])),
                        dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=num_splits),
-                       (tuple(out.shape), tuple(lse.shape), lse.dtype))
+                       (tuple(out.shape), tuple(lse.shape), lse.dtype), hopper=not by_shape, out_like_q=out_like_q)
 
 
 class PreparedFwd:
     """``prepare_fwd``'s launch: ``prepared(q, k, v, alibi_slopes, learnable_sink, seqused_k,
     block_table, k_descale, v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, does
-    into them what ``attn_fwd`` with the prepared options does (split partials in a fresh
-    workspace, then their merge) and returns them. ``calls`` counts its calls."""
+    into them what ``attn_fwd`` with the prepared options does (with ``hopper``: the Hopper
+    kernel when its rule takes the call; else split partials in a fresh workspace, then their
+    merge) and returns them. ``calls`` counts its calls."""
 
-    __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "generation", "calls")
+    __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "hopper", "out_like_q", "generation",
+                 "calls")
 
-    def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple):
+    def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple, hopper: bool = False,
+                 out_like_q: bool = False):
         self.plan, self.tail, self.options, self.generation, self.calls = plan, tail, options, A.generation, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
+        self.hopper, self.out_like_q = hopper, out_like_q
 
     def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
-        out, lse = q.new_empty(self.out_shape), q.new_empty(self.lse_shape, dtype=self.lse_dtype)
+        out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         self.calls += 1
         plan = self.plan
-        if self.generation != A.generation:  # the plans were forgotten: their tiles may be stale
+        if self.hopper:  # as attn_fwd asks it (dense, unsplit)
+            options = self.options
+            if hopper_fwd_reason(q, k, v, options["params"], alibi_slopes=alibi_slopes, varlen=False, paged=False,
+                                 seqused_k=None, num_splits=options["num_splits"],
+                                 max_seqlen_q=options["max_seqlen_q"]) is None:
+                hopper_attn_fwd(q, k, v, out, lse, params=options["params"], max_seqlen_q=options["max_seqlen_q"],
+                                max_seqlen_k=options["max_seqlen_k"], learnable_sink=learnable_sink)
+                return out, lse
+        if self.generation != A.generation or plan.fwd is None:  # plans forgotten (stale tiles), or a tile to tune
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
         elif plan.combine is None:

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..contract import AttnParams
 from .backend import backend_for
 
-__all__ = ["attention", "lse_shape", "prepare"]
+__all__ = ["attention", "lse_shape", "prepare", "GraphLane"]
 
 
 def lse_shape(q: Tensor, packed: bool) -> tuple[int, ...]:
@@ -127,8 +127,7 @@ def _setup_context(ctx, inputs, output):
 def _gradients(ctx, dout, dlse, bwd) -> tuple:
     """(dq, dk, dv, None x 5, dsink or None, None x 12) from what _setup_context saved, through
     ``bwd`` (the op or its body). ``dout`` or ``dlse`` may be None (that output unused)."""
-    if ctx.has_cache:
-        raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
+    _no_cache_gradients(ctx.has_cache)
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -145,31 +144,101 @@ def _backward(ctx, dout, dlse):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_cache_gradients(has_cache: bool) -> None:
+    if has_cache:
+        raise NotImplementedError("tileattn: no gradients through a KV cache (seqused_k / block_table)")
+
+
+class _Call:
+    """What one eager ``attention()`` call that autograd records passes besides the tensors the
+    backward reads (q, k, v, the offsets, ALiBi slopes, sinks): one argument of
+    ``_EagerAttention.apply`` instead of 14 (each argument of ``Function.apply`` costs host
+    time: 21 of them ~4 µs more than 5 on the 2-core CPU machine), kept by its context for the
+    backward. ``params`` is the ``AttnParams`` the call was given (not rebuilt from its scalars),
+    ``backend`` the module ``backend_for`` returned when the caller knew it (else None: looked up).
+    A ``GraphLane`` keeps one for every call of its signature: ``fwd`` is then the backend's
+    prepared forward (``prepare_fwd``) or None, and ``bwd`` its prepared backward (None: not asked
+    yet; False: none); otherwise they are None and False."""
+
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "seqused_k", "block_table", "num_splits", "deterministic",
+                 "k_descale", "v_descale", "backend", "fwd", "bwd")
+
+    def __init__(self, params: AttnParams, max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table,
+                 num_splits: int, deterministic: bool, k_descale, v_descale, backend, fwd=None, bwd=False):
+        self.params, self.max_seqlen_q, self.max_seqlen_k = params, max_seqlen_q, max_seqlen_k
+        self.seqused_k, self.block_table, self.num_splits = seqused_k, block_table, num_splits
+        self.deterministic, self.k_descale, self.v_descale = deterministic, k_descale, v_descale
+        self.backend, self.fwd, self.bwd = backend, fwd, bwd
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same forward and backward as the custom op's, for eager autograd without the dispatcher.
 
     ``torch.library`` ops pay a Python dispatch of every argument on each call (about 200 µs
     on the 2-core CPU machine, ``python benchmarks/overhead.py``-style timing of a tiny
-    problem), which a short training step feels; torch.compile still sees the op.
+    problem), which a short training step feels; torch.compile still sees the op. The options
+    come as one ``_Call``; a graph lane's forward takes its prepared launch when it has one
+    (``_Call.fwd``), and its backward after the first goes to the prepared launch (``_Call.bwd``)
+    which the first prepares.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
-                max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed,
-                num_splits, deterministic, k_descale, v_descale):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
-                  max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-                  dropout_seed, num_splits, deterministic, k_descale, v_descale)
-        params = AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, dropout_seed)
-        out, lse = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k, block_table, num_splits, learnable_sink, k_descale, v_descale)
-        _setup_context(ctx, inputs, (out, lse))
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, call):
+        if call.fwd is not None:
+            out, lse = call.fwd(q, k, v, alibi_slopes, learnable_sink, call.seqused_k, call.block_table,
+                                call.k_descale, call.v_descale)
+        else:
+            out, lse = _run_fwd(q, k, v, call.params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q,
+                                call.max_seqlen_k, call.seqused_k, call.block_table, call.num_splits, learnable_sink,
+                                call.k_descale, call.v_descale, backend=call.backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
+        ctx.call = call
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros to read)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, dlse, _run_bwd)
+        call = ctx.call
+        _no_cache_gradients(call.seqused_k is not None or call.block_table is not None)
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsink = None if learnable_sink is None else _dsink_like(q, learnable_sink)
+        bwd = call.bwd
+        if bwd:
+            bwd(dout, dlse, q, k, v, out, lse, dq, dk, dv, alibi_slopes, learnable_sink, dsink)
+        else:
+            backend = call.backend or backend_for(q.device)
+            options = dict(params=call.params, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+                           deterministic=call.deterministic, dlse=dlse, learnable_sink=learnable_sink, dsink=dsink)
+            backend.attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, **options)
+            if bwd is None:  # a graph lane's first backward: its later ones decided once (tuned by now)
+                prepare_bwd = getattr(backend, "prepare_bwd", None)
+                prepared = prepare_bwd and prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, **options)
+                call.bwd = prepared or False
+        return dq, dk, dv, None, None, None, dsink, None
+
+
+class GraphLane:
+    """``prepare``'s lane for a signature whose calls autograd records (inputs that require grad,
+    grad mode on; dense, no dropout): ``lane(q, k, v, alibi_slopes, learnable_sink, None, None,
+    None, None)`` is ``attention()`` with the signature's options, which the lane holds as one
+    ``_Call`` made once (the backend known, the options converted), with the backend's prepared
+    forward (``prepare_fwd``, as a no-graph lane's) where it gives one; its backward, after the
+    first, takes the backend's prepared launch (``prepare_bwd``). ``calls`` counts its calls."""
+
+    __slots__ = ("call", "calls")
+
+    def __init__(self, call: _Call):
+        self.call, self.calls = call, 0
+
+    def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
+        self.calls += 1
+        return _EagerAttention.apply(q, k, v, None, None, alibi_slopes, learnable_sink, self.call)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slopes=None, cu_seqlens_q=None,
@@ -186,7 +255,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     When no graph is being recorded (no input needs a gradient, or grad mode is off) the
     op's body runs directly; in eager autograd ``_EagerAttention`` wraps the same forward and
     backward. Both skip the dispatcher's per-call cost, which matters to decoding and to short
-    training steps. Under torch.compile the custom op (with its fake kernel) is what is traced.
+    training steps. Under torch.compile the custom op (with its fake kernel) is what is traced;
+    it passes ``params``' six scalars of the contract (the public functions set no others).
     A public function's memo entry may hold a prepared launch (``prepare``) that its later calls
     take instead of this function.
     """
@@ -201,11 +271,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
                        v_descale, out if direct else None, backend)
         return res if direct else _into(out, res)
-    return _into(out, _EagerAttention.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, learnable_sink,
-        int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale, params.window_left, params.window_right,
-        params.softcap, params.dropout_p, params.dropout_seed, int(num_splits), bool(deterministic), k_descale,
-        v_descale))
+    call = _Call(params, int(max_seqlen_q), int(max_seqlen_k), seqused_k, block_table, int(num_splits),
+                 bool(deterministic), k_descale, v_descale, backend)
+    return _into(out, _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, call))
 
 
 def _needs_graph(q, k, v, learnable_sink) -> bool:
@@ -216,20 +284,29 @@ def _needs_graph(q, k, v, learnable_sink) -> bool:
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, params: AttnParams, *, alibi_slopes,
             max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table, num_splits: int, learnable_sink, k_descale,
-            backend):
+            backend, deterministic: bool = False):
     """``attention()`` decided once for every call with these tensors' metadata and these options
     (a memo entry's, ``_memo``), after a call of them returned (out, lse) (its plan is tuned by
-    then): the backend's prepared launch, which takes ``(q, k, v, alibi_slopes, learnable_sink,
-    seqused_k, block_table, k_descale, v_descale)`` and returns (out, lse) allocated alike
-    (``gpu.prepared.PreparedFwd``, ``cpu.prepared.PreparedFwd``). None where a call must decide
-    per call: under torch.compile, when autograd records the call, on a backend without
+    then). When autograd records the calls: a ``GraphLane`` (dense calls without dropout). Else
+    the backend's prepared launch (``gpu.prepared.PreparedFwd``, ``cpu.prepared.PreparedFwd``).
+    Both take ``(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale,
+    v_descale)`` and return (out, lse) allocated alike. None where a call must decide per call:
+    under torch.compile, a graph over a KV cache or with dropout, on a backend without
     ``prepare_fwd`` or a call it declines. Dense tensors only."""
-    prepare_fwd = getattr(backend, "prepare_fwd", None)
-    if prepare_fwd is None or torch.compiler.is_compiling() or _needs_graph(q, k, v, learnable_sink):
+    if torch.compiler.is_compiling():
         return None
-    return prepare_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=int(max_seqlen_q),
-                       max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table,
-                       num_splits=int(num_splits), learnable_sink=learnable_sink, k_descale=k_descale)
+    graph = _needs_graph(q, k, v, learnable_sink)
+    if graph and (seqused_k is not None or block_table is not None or k_descale is not None or params.dropout_p > 0):
+        return None
+    prepare_fwd = getattr(backend, "prepare_fwd", None)
+    fwd = prepare_fwd and prepare_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes,
+                                      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                                      seqused_k=seqused_k, block_table=block_table, num_splits=int(num_splits),
+                                      learnable_sink=learnable_sink, k_descale=k_descale)
+    if not graph:
+        return fwd
+    return GraphLane(_Call(params, int(max_seqlen_q), int(max_seqlen_k), None, None, int(num_splits),
+                           bool(deterministic), None, None, backend, fwd=fwd, bwd=None))
 
 
 def _into(out, res):

@@ -94,11 +94,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         _CHECKED.put(key, checked)
         checked.lane = None if key is not None else False  # only a kept signature's calls take a lane
     batch, seqlen_q = q.shape[0], q.shape[1]
-    alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
-    sink = V.check_sink(learnable_sink, q, q.shape[2])
+    alibi = None if alibi_slopes is None else V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    sink = None if learnable_sink is None else V.check_sink(learnable_sink, q, q.shape[2])
 
-    params = with_dropout_seed(checked.params, q.device)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    params = checked.params if checked.params.dropout_p == 0.0 else with_dropout_seed(checked.params, q.device)
+    if not checked.unit_last:  # a copy of those whose last dim is strided
+        q, k, v = V.last_dim_contiguous(q), V.last_dim_contiguous(k), V.last_dim_contiguous(v)
     if checked.lane:
         out, lse = checked.lane(q, k, v, alibi, sink, None, None, None, None)
     else:
@@ -107,7 +108,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if checked.lane is None:  # the signature's first call: its later calls' launch, decided once
             checked.lane = prepare(q, k, v, out, lse, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q,
                                    max_seqlen_k=k.shape[1], seqused_k=None, block_table=None, num_splits=1,
-                                   learnable_sink=sink, k_descale=None, backend=checked.backend) or False
+                                   learnable_sink=sink, k_descale=None, backend=checked.backend,
+                                   deterministic=deterministic) or False
     if return_attn_probs:
         return out, lse, attention_probs(q, k, lse, params, alibi)
     return out
@@ -119,6 +121,7 @@ class _Checked:
 
     params: AttnParams
     backend: object  # the module backend_for(q.device) returns
+    unit_last: bool  # q, k and v have a unit stride on their last dim (no copy to make)
     lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
 
 
@@ -137,7 +140,7 @@ def _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                            softcap=softcap, dropout_p=dropout_p)
     V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     V.check_backward(batch, q, k, v, V.check_sink(learnable_sink, q, q.shape[2]))
-    return _Checked(params, backend_for(q.device))
+    return _Checked(params, backend_for(q.device), q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
