@@ -40,8 +40,10 @@ batched matmuls run fastest.
 
 A problem that is one tile (decoding, short prefills) without ALiBi or dropout, whose rows
 all see a key, runs that one step directly on strided views (``_fwd_whole``): a handful of
-torch calls, as their Python and dispatch cost more than the arithmetic there. Every other
-problem, one tile or many, runs the tiled recurrence (``_fwd_range``).
+torch calls, as their Python and dispatch cost more than the arithmetic there. A decoding
+step of batch 1 called again and again (the ops layer's lane, ``prepared.py``) runs the same ops
+from ``RowStep``, its views' layout bound once per call signature. Every other problem, one
+tile or many, runs the tiled recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
@@ -463,9 +465,9 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
     off = Sk - Sq + params.diag_shift
     if _needs_mask(params, off, 0, Sq, 0, Sk):
         s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
-    m = s.amax(dim=-1, keepdim=True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
+    m = torch.amax(s, -1, True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
     p = s.sub_(m).exp2_()
-    l = p.sum(dim=-1, keepdim=True)
+    l = torch.sum(p, -1, True)
     if sink is not None:  # the state (out 0, lse sink_h) joins the denominator
         sink2 = sink.to(acc).mul(LOG2E).view(1, Hk, G, 1, 1).expand(B, Hk, G, Sq, 1).reshape(BH, G * Sq, 1)
         l.add_((sink2 - m).exp2_())
@@ -505,9 +507,9 @@ def _by_key_head(x, S: int, keys_last: bool = False):
     B, _, Hk, D = x.shape
     if B == 1:
         _, slot, head, feature = x.stride()
-        if keys_last:
-            return x.as_strided((Hk, D, S), (head, feature, slot), x.storage_offset())
-        return x.as_strided((Hk, S, D), (head, slot, feature), x.storage_offset())
+        if keys_last:  # as_strided keeps x's storage offset
+            return x.as_strided((Hk, D, S), (head, feature, slot))
+        return x.as_strided((Hk, S, D), (head, slot, feature))
     y = (x if S == x.shape[1] else x.narrow(1, 0, S)).transpose(1, 2).reshape(B * Hk, S, D)
     return y.transpose(1, 2) if keys_last else y
 
@@ -532,6 +534,62 @@ def fwd_one_tile(q, k, v, params: AttnParams, seqused_k, learnable_sink):
     if Sk is None or not _one_tile(params, B, H, Sq, Sk, None, 1, BLOCK_M, BLOCK_N, TILE_ELEMS):
         return None
     return _fwd_whole(params, q, k, v, learnable_sink, Sk)
+
+
+class RowStep:
+    """``_fwd_whole`` for one query row of one sequence (a decoding step of batch 1, or a dense call of
+    that shape), its layout bound once per call signature: ``RowStep.bind(q, k, v, params)`` for tensors
+    whose shapes, strides and dtypes every later call shares (a memo entry's, ``prepared.PreparedFwd``),
+    then ``step(q, k, v, seqused_k)`` -> (out, lse) for each call, or None (nothing done) when this
+    call's key count is not one tile (none, or more than ``BLOCK_N``).
+
+    The arithmetic is ``_fwd_whole``'s for Sq = 1, op for op (the results are bitwise the same); what
+    it saves is the per-call Python around it (about an eighth of a tiny decoding call's time): the
+    views' sizes and strides, the scale and the checks that read only metadata are worked out once,
+    leaving the lengths' read and the op calls. ``bind`` returns None for a signature it does not
+    serve: a batch of more than one, several query rows, a dtype other than fp32/fp64 (the
+    accumulation dtypes: no cast), softcap, or a window that can hide keys from the row (a left
+    bound, or a right one the diagonal shift moves left of the row's own key). ALiBi, dropout,
+    splits, block tables, descales and sinks are ``prepare_fwd``'s to exclude."""
+
+    __slots__ = ("q_size", "q_stride", "k_stride", "v_stride", "alpha", "zero", "max_keys", "out_shape",
+                 "lse_shape", "dims")
+
+    @classmethod
+    def bind(cls, q, k, v, params: AttnParams) -> "RowStep | None":
+        (B, Sq, H, D), Hk, Dv = q.shape, k.shape[2], v.shape[-1]
+        acc = _acc_dtype(q.dtype)
+        if (B != 1 or Sq != 1 or q.dtype != acc or k.dtype != acc or v.dtype != acc or params.softcap > 0
+                or params.dropout_p > 0 or params.window_left >= 0
+                or (params.window_right >= 0 and params.window_right + params.diag_shift < 0)):
+            return None
+        step = cls()
+        G, (_, _, head, feature) = H // Hk, q.stride()
+        step.q_size, step.q_stride = (Hk, G, D), (G * head, head, feature)  # rows (hk, g) are head hk * G + g
+        _, slot, head, feature = k.stride()
+        step.k_stride = (head, feature, slot)  # [Hk, D, Sk]: keys last, as _by_key_head's view
+        _, slot, head, feature = v.stride()
+        step.v_stride = (head, slot, feature)  # [Hk, Sk, Dv]
+        step.alpha, step.zero = params.softmax_scale * LOG2E, _ZERO[acc]
+        step.max_keys = min(BLOCK_N, TILE_ELEMS // H)  # _one_tile's bounds for B = Sq = 1
+        step.out_shape, step.lse_shape, step.dims = (1, 1, H, Dv), (1, H, 1), (Hk, D, Dv)
+        return step
+
+    def __call__(self, q, k, v, seqused_k):
+        # Python-level choices made here cost as much as an op: views get their sizes as separate
+        # ints (a tuple takes a slower parse) and as_strided keeps the input's storage offset
+        # (passing it costs more than reading it); torch.amax / torch.sum parse faster than methods.
+        Sk = k.shape[1] if seqused_k is None else seqused_k.tolist()[0]
+        if not 1 <= Sk <= self.max_keys:
+            return None
+        Hk, D, Dv = self.dims
+        s = torch.baddbmm(self.zero, q.as_strided(self.q_size, self.q_stride), k.as_strided((Hk, D, Sk), self.k_stride),
+                          beta=0.0, alpha=self.alpha)  # [Hk, G, Sk] in log2 units
+        m = torch.amax(s, -1, True)  # [Hk, G, 1]
+        p = s.sub_(m).exp2_()
+        l = torch.sum(p, -1, True)
+        out = torch.bmm(p, v.as_strided((Hk, Sk, Dv), self.v_stride)).div_(l)
+        return out.view(*self.out_shape), l.log_().add_(m, alpha=LN2).view(*self.lse_shape)
 
 
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,

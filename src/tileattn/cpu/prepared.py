@@ -8,12 +8,15 @@ backend lookup: about a third of a tiny decoding call on the CPU). Here that lau
 values on the host anyway. A signature without ALiBi, splits, block table or descales first
 tries ``attn_fwd``'s one-tile step (``fwd_one_tile``: decoding, short prefills), which skips
 ``attn_fwd``'s dispatch and allocates its outputs itself (the matmul's result is the output).
-Calls with dropout (a seed per call) get none.
+A decoding signature of batch 1 (one query row, fp32/fp64, no sinks; ``RowStep.bind`` says which)
+goes before that to the one-row step with its views' sizes, strides and scale worked out here,
+once: the signature fixes them (the memo keys shapes, strides and dtypes), as the Triton lane's
+bound launch arguments do. Calls with dropout (a seed per call) get none.
 """
 
 from __future__ import annotations
 
-from .attention import attn_fwd, fwd_one_tile
+from .attention import RowStep, attn_fwd, fwd_one_tile
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
 
@@ -25,24 +28,29 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     if params.dropout_p > 0:
         return None
     one_tile = alibi_slopes is None and num_splits <= 1 and block_table is None and k_descale is None
+    row = RowStep.bind(q, k, v, params) if one_tile and learnable_sink is None else None
     return PreparedFwd(dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                            num_splits=num_splits), one_tile, (tuple(out.shape), tuple(lse.shape), lse.dtype))
+                            num_splits=num_splits), one_tile, row, (tuple(out.shape), tuple(lse.shape), lse.dtype))
 
 
 class PreparedFwd:
     """``prepared(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale,
-    v_descale)`` returns (out, lse): from ``fwd_one_tile`` when the signature fits it (``one_tile``)
-    and the call is one tile, else allocated as ``prepare_fwd``'s were and written by ``attn_fwd``.
-    ``calls`` counts its calls."""
+    v_descale)`` returns (out, lse): from the bound one-row step (``row``) or ``fwd_one_tile`` when
+    the signature fits it (``one_tile``) and the call is one tile, else allocated as
+    ``prepare_fwd``'s were and written by ``attn_fwd``. ``calls`` counts its calls."""
 
-    __slots__ = ("options", "one_tile", "out_shape", "lse_shape", "lse_dtype", "calls")
+    __slots__ = ("options", "one_tile", "row", "out_shape", "lse_shape", "lse_dtype", "calls")
 
-    def __init__(self, options: dict, one_tile: bool, outputs: tuple):
-        self.options, self.one_tile, self.calls = options, one_tile, 0
+    def __init__(self, options: dict, one_tile: bool, row: RowStep | None, outputs: tuple):
+        self.options, self.one_tile, self.row, self.calls = options, one_tile, row, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
 
     def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
         self.calls += 1
+        if self.row is not None:
+            res = self.row(q, k, v, seqused_k)
+            if res is not None:
+                return res
         if self.one_tile:
             res = fwd_one_tile(q, k, v, self.options["params"], seqused_k, learnable_sink)
             if res is not None:
