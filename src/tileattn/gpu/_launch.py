@@ -61,18 +61,16 @@ def arg_classes(fn, args) -> tuple:
     append = classes.append
     for name, v in zip(fn.arg_names, args):
         kind = type(v)
-        if kind is int:
-            append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
-        elif v is None:
+        if v is None:
             append(None)
         elif kind is float or kind is bool:
             append(kind)
+        elif kind is int or (isinstance(v, int) and not isinstance(v, bool)):
+            append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
         elif isinstance(v, torch.Tensor):
             append(v.dtype)
         elif isinstance(v, (bool, float)):
             append(kind)
-        elif isinstance(v, int):
-            append((_I32_MIN <= v <= _I32_MAX,) if name in loose else (v == 1, v % 16 == 0, _I32_MIN <= v <= _I32_MAX))
         else:  # a TensorDescriptor
             append((tuple(v.block_shape), v.base.dtype))
     return tuple(classes)

@@ -177,7 +177,7 @@ def _aligned_reason(*tensors) -> str | None:
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).removeprefix("torch.")))
 
 
 def launch_gluon(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:

@@ -82,14 +82,6 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     return None
 
 
-def _fp32_descriptor(t: torch.Tensor, block: tuple[int, ...]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block),
-                            gl.NVMMASharedLayout.get_default_for(list(block), gl.float32))
-
-
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
                     cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                     deterministic: bool = False) -> None:
@@ -131,7 +123,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     dq_desc = None
     if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces half the columns
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_desc = _fp32_descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
+        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
     launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,

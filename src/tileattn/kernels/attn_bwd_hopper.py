@@ -275,19 +275,18 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                                            use_acc=w > 0, is_async=True)
                     dq, acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
                                                                      deps=(dq, acc1, acc2, p_op, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
+                elif DKDV:
+                    acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
+                else:
+                    acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
+                mbarrier.arrive(empty.index(slot), count=1)
+                if DQ_REDUCE:  # the dQ share to the copy engine (the dQ products read no ring slot)
                     tma.store_wait(0)  # the previous tile's reduction has read the staging tile
                     gl.thread_barrier()
                     stage.store(dq * scale)  # dQ's scale here: the workspace then only needs rounding
                     fence_async_shared()
                     gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk reduction
                     _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], stage)
-                elif DKDV:
-                    acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, p_op, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
-                else:
-                    acc1, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ds_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
                 c += 1
         if DQ_REDUCE:
             tma.store_wait(0)  # the staging tile is read before the program ends

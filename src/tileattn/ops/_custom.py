@@ -129,9 +129,7 @@ def _gradients(ctx, dout, dlse, bwd) -> tuple:
     ``bwd`` (the op or its body). ``dout`` or ``dlse`` may be None (that output unused)."""
     _no_cache_gradients(ctx.has_cache)
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = _grad_out(dout, out)
     dq, dk, dv, dsink = bwd(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
                             *ctx.scalars, ctx.deterministic)
     return (dq, dk, dv) + (None,) * 5 + (None if learnable_sink is None else dsink,) + (None,) * 12
@@ -142,6 +140,14 @@ def _backward(ctx, dout, dlse):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _grad_out(dout, out):
+    """The output's gradient as the backends take it: zeros when the output went unused (None), a
+    unit last stride (autograd hands over any gradient; an expanded one has stride 0)."""
+    if dout is None:
+        return torch.zeros_like(out)
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
 def _no_cache_gradients(has_cache: bool) -> None:
@@ -201,10 +207,7 @@ class _EagerAttention(torch.autograd.Function):
         call = ctx.call
         _no_cache_gradients(call.seqused_k is not None or call.block_table is not None)
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
+        dout = _grad_out(dout, out)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsink = None if learnable_sink is None else _dsink_like(q, learnable_sink)
         bwd = call.bwd
