@@ -3,8 +3,9 @@
 Cases: a decoding step (batch 1, 8k keys, GQA 32/8, hdim 128, bf16; contiguous and paged-16
 caches, with and without the append of a new token, and through a ``DecodePlan``), SDPA's
 cuDNN on the same step (the anchor), two host floors (an empty Triton launch, a torch.empty),
-and a short prefill (32×16 heads of 512 tokens, forward and forward+backward); the decode and
-the prefill also through the backend launcher alone (no input checks, no custom op).
+a short prefill (32×16 heads of 512 tokens, forward and forward+backward) and the same at batch
+1, where the step is host-bound (its wall time is its host time), beside SDPA's cuDNN on it; the
+decode and the prefill also through the backend launcher alone (no input checks, no custom op).
 
 For each it prints the wall time per call of a loop of calls (host-bound when the GPU work is
 shorter; the median of ``--repeats`` loops), the GPU kernels one call launches with their start
@@ -128,6 +129,29 @@ def cases():
         qg.grad = kg.grad = vg.grad = None
 
     yield "prefill 512 forward+backward", forward_backward
+    q1, k1, v1 = (torch.randn(1, 512, 16, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    grad1 = torch.randn_like(q1)
+
+    def forward_backward_batch1():  # host-bound: the step's wall time is its host time
+        tileattn.flash_attn_func(q1, k1, v1).backward(grad1)
+        q1.grad = k1.grad = v1.grad = None
+
+    yield "prefill 1x512 forward+backward", forward_backward_batch1
+    yield "prefill 1x512 forward, no grad", lambda: tileattn.flash_attn_func(q1.detach(), k1.detach(), v1.detach())
+    q1t, k1t, v1t = (t.detach().transpose(1, 2).requires_grad_() for t in (q1, k1, v1))
+    grad1t = grad1.transpose(1, 2)
+
+    def sdpa_cudnn_step():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q1t, k1t, v1t).backward(grad1t)
+        q1t.grad = k1t.grad = v1t.grad = None
+
+    def sdpa_cudnn_no_grad():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            return F.scaled_dot_product_attention(q1t, k1t, v1t)
+
+    yield "sdpa cudnn 1x512 fwd+bwd (anchor)", sdpa_cudnn_step
+    yield "sdpa cudnn 1x512 fwd, no grad (anchor)", sdpa_cudnn_no_grad
     outp = torch.empty_like(qp)
     lsep = torch.empty((32, 16, 512), device=dev, dtype=torch.float32)
     yield "prefill 512 launcher only", lambda: gpu.attn_fwd(qp, kp, vp, outp, lsep, params=params)
