@@ -43,7 +43,7 @@ __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
 HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3),
-                    ("dkdv+dq", 128): (64, 2)}
+                    ("dkdv+dq", 128): (64, 2), ("dkdv+dq", 64): (128, 2)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 # dQ by reductions from the dK/dV programs only past this many query rows (the longest sequence's):
 # measured on the H200 (docs/perf-notes.md, 2026-12-01 11:40), backward alone, head dim 128, at 512
@@ -121,9 +121,11 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES and seqlen_q >= REDUCE_MIN_ROWS
     cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
     dq_desc = None
-    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces half the columns
+    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces
+        # half of a tile's dQ: half the columns at head dim 128, half the query rows at 64
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
+        dq_block = (cols, head_dim // 2) if head_dim >= 128 else (cols // 2, head_dim)
+        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), dq_block)
     launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
