@@ -12,10 +12,11 @@ one producer warp), launched twice:
   transposed: rows = keys, columns = queries, lengths and window bounds swapped;
 * dQ: a query block of one query head; its key/value head's key tiles stream (S and dP
   recomputed: 7 matrix products per tile pair in all, every gradient element written once, so
-  the gradients are bitwise reproducible). At head dim 128 this launch runs only with
-  ``deterministic``: otherwise the dK/dV programs add each query tile's dQ share to an fp32
-  workspace by bulk reductions (5 products per tile pair; ``("dkdv+dq", 128)``: 64-query tiles,
-  2 stages, 192 KB with the two dS^T tiles and the two fp32 staging tiles).
+  the gradients are bitwise reproducible). Past ``REDUCE_MIN_ROWS`` query rows this launch runs
+  only with ``deterministic``: otherwise the dK/dV programs add each query tile's dQ share to an
+  fp32 workspace by bulk reductions (5 products per tile pair; ``("dkdv+dq", 128)``: 64-query
+  tiles, 2 stages, 192 KB with the two dS^T tiles and the two fp32 staging tiles;
+  ``("dkdv+dq", 64)``: 128-query tiles, 2 stages, 193 KB).
 
 Tiles per (kind, head dim): (column tile, STAGES), the best of a sweep on the H200 (bwd-only
 TFLOP/s at 8k tokens, hidden 2048, docs/perf-notes.md). Shared memory = the rows' two tiles (2 x
@@ -88,7 +89,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
     (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
 
-    At head dim 128 past ``REDUCE_MIN_ROWS`` query rows, unless ``deterministic``: one launch,
+    Past ``REDUCE_MIN_ROWS`` query rows, unless ``deterministic``: one launch,
     dK/dV, whose programs also add their keys' share of dQ to an fp32 workspace by bulk reductions
     (5 matrix products per tile; the order of the additions varies from run to run), then dq =
     the workspace rounded. Otherwise two launches, dK/dV then dQ (7 products, bitwise

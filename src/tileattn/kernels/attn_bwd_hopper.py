@@ -28,11 +28,11 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ, two ways. ``DQ_REDUCE`` (dK/dV at head dim 128, the default): the dK/dV program also forms
+dQ, two ways. ``DQ_REDUCE`` (dK/dV, the default past 1024 query rows): the dK/dV program also forms
 each query tile's dQ share, dS K, and adds it to an fp32 workspace with bulk asynchronous
 reductions from shared memory (``_reduce_add``), 5 matrix products per tile pair as in
-FlashAttention 2/3; the order of the additions varies from run to run. Otherwise (head dim 64,
-or ``deterministic``) a launch of its own computes dQ per query block, recomputing S and dP (7
+FlashAttention 2/3; the order of the additions varies from run to run. Otherwise (short
+sequences, or ``deterministic``) a launch of its own computes dQ per query block, recomputing S and dP (7
 products in all): every gradient element is written once, by one program summing in a fixed
 order, so the gradients are bitwise reproducible (docs/perf-notes.md has both measured).
 
@@ -165,9 +165,10 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
     """One warpgroup: rows [64 WG, 64 WG + 64) of the program's block, over every column tile
     the block sees (tiles outside this warpgroup's own range are masked whole, P = 0).
 
-    ``DQ_REDUCE`` (dK/dV at head dim 128): per column tile, both warpgroups put their dS^T rows
+    ``DQ_REDUCE`` (dK/dV): per column tile, both warpgroups put their dS^T rows
     into one shared [128 keys, BLOCK_C] tile (two such tiles, used in turn, each with an mbarrier
-    both arrive on); each then forms half of the tile's dQ columns over all 128 keys, dS K[:, half],
+    both arrive on); each then forms half of the tile's dQ over all 128 keys (at head dim 128 half
+    of its columns, dS K[:, half]; at 64 half of its query rows, dS[half] K),
     puts it in its own fp32 staging tile and hands it to the copy engine as a bulk reduction into
     ``dq_desc``'s workspace, waited for only when the staging tile is next written. A warpgroup
     overwrites a dS^T tile two column tiles later, after the other arrived for the tile between,
