@@ -49,7 +49,8 @@ ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 # dQ by reductions from the dK/dV programs only past this many query rows (the longest sequence's):
 # measured on the H200 (docs/perf-notes.md, 2026-12-01 11:40), backward alone, head dim 128, at 512
 # rows the two launches were ahead (causal 225 against 124 TFLOP/s, unmasked 306 against 300), at
-# 2k the reductions (379 against 364, 467 against 437); 1k was not measured.
+# 2k the reductions (379 against 364, 467 against 437); at head dim 64 (12:45) 1k was a wash (unmasked
+# 350 against 341, causal 251 against 258) and 2k went to the reductions (397 / 326 against 369 / 317).
 REDUCE_MIN_ROWS = 1025
 _DTYPES = (torch.float16, torch.bfloat16)
 
