@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
 
 @pytest.fixture(autouse=True)
 def reductions_at_every_length(monkeypatch):
-    """dQ by reductions (head dim 128, not deterministic) at every length, not only past
+    """dQ by reductions (not deterministic) at every length, not only past
     ``REDUCE_MIN_ROWS`` query rows: the short cases below test that path too."""
     from tileattn.gpu import hopper_bwd
 

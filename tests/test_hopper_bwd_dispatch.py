@@ -127,6 +127,22 @@ def test_launches(monkeypatch, window, varlen):
     assert list(args["dq_desc"].shape) == [tokens, 8 * 128] and list(args["dq_desc"].block_shape) == [64, 64]
 
 
+
+def test_reductions_at_head_dim_64_split_query_rows(monkeypatch):
+    """At head dim 64 the dK/dV launch reduces dQ as well (128-query tiles), each warpgroup half of
+    a tile's query rows over all 64 columns: the workspace's descriptor reads (64, 64) boxes."""
+    record = _Record(attn_bwd_hopper._attn_bwd_hopper_kernel)
+    monkeypatch.setattr(attn_bwd_hopper, "_attn_bwd_hopper_kernel", record)
+    monkeypatch.setattr(hopper_bwd, "REDUCE_MIN_ROWS", 0)
+    dout, q, k, v, _, _ = _tensors(batch=2, seqlen_q=300, seqlen_k=350, nheads=8, nheads_k=2, d=64)
+    ws = torch.empty((2, 8, 300))
+    hopper_bwd.hopper_attn_bwd(dout, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ws,
+                               ws.clone(), params=AttnParams(0.1, -1, 0))
+    ((grid, args, meta),) = record.launches
+    assert grid == (math.ceil(350 / 128), 2, 2) and meta["DQ_REDUCE"] and meta["DKDV"]
+    assert args["c_desc"].block_shape == [1, 128, 1, 64]  # 128-query column tiles
+    assert list(args["dq_desc"].shape) == [2 * 300, 8 * 64] and list(args["dq_desc"].block_shape) == [64, 64]
+
 @pytest.mark.parametrize("rows", [512, 513, 1024, 1025])
 def test_short_calls_go_to_the_portable_kernels(rows):
     """SHORT_PORTABLE: causal at head dim 64 up to 1024 rows (forward) is told no before the device

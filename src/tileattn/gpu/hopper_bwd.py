@@ -12,10 +12,11 @@ one producer warp), launched twice:
   transposed: rows = keys, columns = queries, lengths and window bounds swapped;
 * dQ: a query block of one query head; its key/value head's key tiles stream (S and dP
   recomputed: 7 matrix products per tile pair in all, every gradient element written once, so
-  the gradients are bitwise reproducible). At head dim 128 this launch runs only with
-  ``deterministic``: otherwise the dK/dV programs add each query tile's dQ share to an fp32
-  workspace by bulk reductions (5 products per tile pair; ``("dkdv+dq", 128)``: 64-query tiles,
-  2 stages, 192 KB with the two dS^T tiles and the two fp32 staging tiles).
+  the gradients are bitwise reproducible). Past ``REDUCE_MIN_ROWS`` query rows this launch runs
+  only with ``deterministic``: otherwise the dK/dV programs add each query tile's dQ share to an
+  fp32 workspace by bulk reductions (5 products per tile pair; ``("dkdv+dq", 128)``: 64-query
+  tiles, 2 stages, 192 KB with the two dS^T tiles and the two fp32 staging tiles;
+  ``("dkdv+dq", 64)``: 128-query tiles, 2 stages, 193 KB).
 
 Tiles per (kind, head dim): (column tile, STAGES), the best of a sweep on the H200 (bwd-only
 TFLOP/s at 8k tokens, hidden 2048, docs/perf-notes.md). Shared memory = the rows' two tiles (2 x
@@ -43,12 +44,13 @@ __all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
 HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3),
-                    ("dkdv+dq", 128): (64, 2)}
+                    ("dkdv+dq", 128): (64, 2), ("dkdv+dq", 64): (128, 2)}
 ROWS_WG = 64  # resident rows per consumer warpgroup; 128 per program
 # dQ by reductions from the dK/dV programs only past this many query rows (the longest sequence's):
 # measured on the H200 (docs/perf-notes.md, 2026-12-01 11:40), backward alone, head dim 128, at 512
 # rows the two launches were ahead (causal 225 against 124 TFLOP/s, unmasked 306 against 300), at
-# 2k the reductions (379 against 364, 467 against 437); 1k was not measured.
+# 2k the reductions (379 against 364, 467 against 437); at head dim 64 (12:45) 1k was a wash (unmasked
+# 350 against 341, causal 251 against 258) and 2k went to the reductions (397 / 326 against 369 / 317).
 REDUCE_MIN_ROWS = 1025
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -88,7 +90,7 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     """dq, dk, dv from the preprocess's ``lse2`` and ``delta`` (shaped like lse: (B, H, Sq), or
     (H, Tq) when packed, contiguous); the call must have passed ``hopper_bwd_reason``.
 
-    At head dim 128 past ``REDUCE_MIN_ROWS`` query rows, unless ``deterministic``: one launch,
+    Past ``REDUCE_MIN_ROWS`` query rows, unless ``deterministic``: one launch,
     dK/dV, whose programs also add their keys' share of dQ to an fp32 workspace by bulk reductions
     (5 matrix products per tile; the order of the additions varies from run to run), then dq =
     the workspace rounded. Otherwise two launches, dK/dV then dQ (7 products, bitwise
@@ -121,9 +123,11 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES and seqlen_q >= REDUCE_MIN_ROWS
     cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
     dq_desc = None
-    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces half the columns
+    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces
+        # half of a tile's dQ: half the columns at head dim 128, half the query rows at 64
         dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), (cols, head_dim // 2))
+        dq_block = (cols, head_dim // 2) if head_dim >= 128 else (cols // 2, head_dim)
+        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), dq_block)
     launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
         _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
         _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,

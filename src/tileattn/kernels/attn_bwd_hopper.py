@@ -28,11 +28,11 @@ own 64 rows and meet only at those barriers, so one's exponentials overlap the o
 matmuls. Inside a consumer, X and Y are issued together, P is computed while Y runs, and for
 dK/dV the P D product runs while dS is computed.
 
-dQ, two ways. ``DQ_REDUCE`` (dK/dV at head dim 128, the default): the dK/dV program also forms
+dQ, two ways. ``DQ_REDUCE`` (dK/dV, the default past 1024 query rows): the dK/dV program also forms
 each query tile's dQ share, dS K, and adds it to an fp32 workspace with bulk asynchronous
 reductions from shared memory (``_reduce_add``), 5 matrix products per tile pair as in
-FlashAttention 2/3; the order of the additions varies from run to run. Otherwise (head dim 64,
-or ``deterministic``) a launch of its own computes dQ per query block, recomputing S and dP (7
+FlashAttention 2/3; the order of the additions varies from run to run. Otherwise (short
+sequences, or ``deterministic``) a launch of its own computes dQ per query block, recomputing S and dP (7
 products in all): every gradient element is written once, by one program summing in a fixed
 order, so the gradients are bitwise reproducible (docs/perf-notes.md has both measured).
 
@@ -165,9 +165,10 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
     """One warpgroup: rows [64 WG, 64 WG + 64) of the program's block, over every column tile
     the block sees (tiles outside this warpgroup's own range are masked whole, P = 0).
 
-    ``DQ_REDUCE`` (dK/dV at head dim 128): per column tile, both warpgroups put their dS^T rows
+    ``DQ_REDUCE`` (dK/dV): per column tile, both warpgroups put their dS^T rows
     into one shared [128 keys, BLOCK_C] tile (two such tiles, used in turn, each with an mbarrier
-    both arrive on); each then forms half of the tile's dQ columns over all 128 keys, dS K[:, half],
+    both arrive on); each then forms half of the tile's dQ over all 128 keys (at head dim 128 half
+    of its columns, dS K[:, half]; at 64 half of its query rows, dS[half] K),
     puts it in its own fp32 staging tile and hands it to the copy engine as a bulk reduction into
     ``dq_desc``'s workspace, waited for only when the staging tile is next written. A warpgroup
     overwrites a dS^T tile two column tiles later, after the other arrived for the tile between,
@@ -207,12 +208,17 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
             delta = gl.load(Delta + w_rows, mask=r_pos < seqlen_r, other=0.0)  # [ROWS]
         if DQ_REDUCE:
             ds_smem, ds_ready, dq_stage = dq_bufs
-            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]  # the dQ columns this warpgroup reduces: half
+            # the part of the tile's dQ [BLOCK_C, HEAD_DIM] this warpgroup reduces: half of the columns
+            # (head dim 128), or half of the query rows (64: a 32-column half of k would cut its
+            # 128-byte swizzle atom)
+            DQ_M: gl.constexpr = dq_desc.block_type.shape[0]
+            DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
+            SPLIT_ROWS: gl.constexpr = DQ_M < BLOCK_C
             dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, DQ_N, 16])
-            dq_zero = gl.zeros([BLOCK_C, DQ_N], gl.float32, layout=dq_layout)
+            dq_zero = gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout)
             dq_row0 = bd * seqlen_c + c_start  # the first query's row of the (tokens, heads x dim) workspace
-            stage = dq_stage.index(WG)  # [BLOCK_C, DQ_N] fp32
+            stage = dq_stage.index(WG)  # [DQ_M, DQ_N] fp32
             mbarrier.wait(r_full.index(1 - WG), 0)  # the other warpgroup's k rows are read too
         mbarrier.wait(r_full.index(WG), 0)
         c = 0  # column tiles consumed so far
@@ -268,11 +274,15 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                     gl.thread_barrier()  # every thread's rows stored before the (single) arrival
                     mbarrier.arrive(ds_ready.index(u), count=1)
                     mbarrier.wait(ds_ready.index(u), (c // 2) & 1)
-                    dq = dq_zero  # sum over w of dS[:, keys of w] K[keys of w, this warpgroup's half]
-                    for w in gl.static_range(2):  # a 64-column half: one 128-byte swizzle atom of k's rows
-                        k_half = a_smem.index(w).reshape([ROWS, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
-                        dq = warpgroup_mma(ds_buf.slice(w * ROWS, ROWS, dim=0).permute((1, 0)), k_half, dq,
-                                           use_acc=w > 0, is_async=True)
+                    dq = dq_zero  # sum over w of dS[this warpgroup's rows, keys of w] K[keys of w, its columns]
+                    for w in gl.static_range(2):  # a 64-column part: one 128-byte swizzle atom of k's rows
+                        k_part = a_smem.index(w).reshape([ROWS, HEAD_DIM])
+                        ds_part = ds_buf.slice(w * ROWS, ROWS, dim=0)  # [ROWS keys, BLOCK_C queries]
+                        if SPLIT_ROWS:
+                            ds_part = ds_part.slice(WG * DQ_M, DQ_M, dim=1)
+                        else:
+                            k_part = k_part.slice(WG * DQ_N, DQ_N, dim=1)
+                        dq = warpgroup_mma(ds_part.permute((1, 0)), k_part, dq, use_acc=w > 0, is_async=True)
                     dq, acc1, acc2, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
                                                                      deps=(dq, acc1, acc2, p_op, ds_op))
                 elif DKDV:
@@ -286,7 +296,8 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                     stage.store(dq * scale)  # dQ's scale here: the workspace then only needs rounding
                     fence_async_shared()
                     gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk reduction
-                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C, h_col * HEAD_DIM + WG * DQ_N], stage)
+                    _reduce_add(dq_desc, [dq_row0 + t * BLOCK_C + SPLIT_ROWS * WG * DQ_M,
+                                          h_col * HEAD_DIM + (1 - SPLIT_ROWS) * WG * DQ_N], stage)
                 c += 1
         if DQ_REDUCE:
             tma.store_wait(0)  # the staging tile is read before the program ends

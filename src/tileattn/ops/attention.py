@@ -75,7 +75,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     sliding window (-1 = unbounded), ``softcap`` (> 0: scores become softcap * tanh(s / softcap)),
     ``alibi_slopes`` fp32 (nheads,) or (batch, nheads) adding -slope * |i + seqlen_k - seqlen_q - j|,
     ``deterministic`` (the backward then adds every gradient element in a fixed order; by default
-    Hopper's at head dim 128 reduces dQ's shares in a varying order), ``return_attn_probs``,
+    Hopper's at head dims 64 and 128 reduces dQ's shares in a varying order), ``return_attn_probs``,
     ``learnable_sink`` fp32 (nheads,): a logit per query head that joins each row's softmax
     denominator without a value row (gpt-oss; flash-attn 4's name), differentiable.
 
