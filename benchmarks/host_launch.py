@@ -68,6 +68,7 @@ import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu._tuning import interpreting  # noqa: E402
 from tileattn.ops import _validate  # noqa: E402
+from tileattn.ops import attention as dense_ops  # noqa: E402
 
 
 class _Compiled(CompiledKernel):
@@ -216,13 +217,23 @@ def h200_device_reason(q) -> str | None:
     return "not a CUDA device" if interpreting() else None
 
 
+def gluon_launches() -> tuple[int, int]:
+    """How many forward and backward Gluon launches went straight to their (stand-in) compiled kernel
+    so far: what the timed calls took, to check against what the rules say (``kernel_paths``)."""
+    return tuple(sum(launch.fast_calls for key, launch in L._LAUNCHES.items() if key[0] is kernel)
+                 for kernel in (KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel))
+
+
 def print_training(title: str, cells, args) -> None:
     print(f"\n{title:44s} {'forward':>8s} {'fwd + bwd':>10s} {'no grad':>8s}   kernels (fwd / bwd)")
     for nheads, head_dim, causal in cells:
         forward, step, no_grad, tensors = training_step(nheads, head_dim, causal)
+        before = gluon_launches()
         fwd_us, step_us, no_grad_us = (median_us(call, args.calls, args.repeat) for call in (forward, step, no_grad))
-        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f} {no_grad_us:8.1f}   "
-              f"{kernel_paths(tensors, causal)}")
+        paths = kernel_paths(tensors, causal)
+        took = " / ".join("gluon" if n > b else "portable" for n, b in zip(gluon_launches(), before))
+        assert took == paths, f"the timed calls took {took}, the rules say {paths}"
+        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f} {no_grad_us:8.1f}   {paths}")
 
 
 def main():
@@ -283,6 +294,9 @@ def main():
         HP.device_kind_reason = HB.device_kind_reason = lambda q: None
     KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel = (_Kernels(KF._attn_fwd_hopper_kernel),
                                                               _Kernels(KB._attn_bwd_hopper_kernel))
+    # a fresh memo: the lanes the first table's cells prepared have decided there, once for their
+    # signature, that this device takes no Gluon kernel (#17; before, they asked on every call)
+    dense_ops._CHECKED.clear()
     print_training("training step (µs, median), as on the H200", TRAINING_CELLS, args)
 
 
