@@ -27,8 +27,8 @@ and not): the forward alone (it records the graph), forward + backward, and the 
 ``torch.no_grad()`` (inference), every launch through the stand-in. First as this CPU dispatches
 (the portable kernels: the Gluon ones need sm_90), then as the H200 does: the Hopper rules' device
 test passed, the Gluon kernels stand-ins as well (their descriptors and launches timed; at this
-length the rules send some calls to the portable kernels, the last column says which). Autograd runs the backward on the calling thread here (on a GPU host,
-on its device thread).
+length the rules send some calls to the portable kernels, the last column says which). Autograd
+runs the backward on the calling thread here (on a GPU host, on its device thread).
 
 CPU tensors stand in for CUDA ones, whose caching allocator hands a freed block back without a
 system call; glibc, left alone, returns a freed 2 MB tensor to the system and maps it again on

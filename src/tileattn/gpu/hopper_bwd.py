@@ -2,7 +2,10 @@
 
 ``attn_bwd`` of ``gpu/backward.py`` runs the portable preprocess (delta, lse2) and then, when
 ``hopper_bwd_reason`` is None, these launches instead of the portable dK/dV and dQ kernels. On
-by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off.
+by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off. A prepared
+backward (``backward.PreparedBwd``) asks the rule's part its signature fixes once
+(``bwd_signature_reason``), the rest per call (``hopper.call_reason``), and keeps its launches
+(``HopperBwd``).
 
 One kernel, one program per block of 128 resident rows (two consumer warpgroups of 64 rows and
 one producer warp), launched twice:

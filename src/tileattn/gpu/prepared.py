@@ -45,8 +45,9 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
         return None
     # out like q when q is contiguous and as wide as v (torch.empty_like: no shape to parse)
     out_like_q = out.shape == q.shape and q.stride() == contiguous_strides(q.shape)
-    hopper = fwd_signature_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=False, paged=block_table is not None,
-                                  seqused_k=seqused_k, num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None
+    hopper = fwd_signature_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=False,
+                                  paged=block_table is not None, seqused_k=seqused_k, num_splits=num_splits,
+                                  max_seqlen_q=max_seqlen_q) is None
     return PreparedFwd(plan, (*plan.call_ints(k, v), *A.scalar_args(params, q.shape[-2])),
                        dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=num_splits),
                        (tuple(out.shape), tuple(lse.shape), lse.dtype),
