@@ -23,12 +23,12 @@ other asynchronous assertions are made on a true flag, since stand-in kernels wr
 Last, one eager training step as ``benchmarks/prefill.py`` times it (``flash_attn_func`` on q, k, v
 that require grad, then ``.backward(dout)``; grads set to None between steps, as its
 ``grad_to_none``) at its 512-token cells with batch 1 (bf16, 16 heads of 128 or 32 of 64, causal
-and not): the forward alone (it records the graph) and forward + backward, every launch through the
-stand-in. First as this CPU dispatches (the portable kernels: the Gluon ones need sm_90), then as
-the H200 does: the Hopper rules' device test passed, the Gluon kernels stand-ins as well (their
-descriptors and launches timed; at this length the rules send some calls to the portable kernels,
-the last column says which). Autograd runs the backward on the calling thread here (on a GPU host,
-on its device thread).
+and not): the forward alone (it records the graph), forward + backward, and the forward under
+``torch.no_grad()`` (inference), every launch through the stand-in. First as this CPU dispatches
+(the portable kernels: the Gluon ones need sm_90), then as the H200 does: the Hopper rules' device
+test passed, the Gluon kernels stand-ins as well (their descriptors and launches timed; at this
+length the rules send some calls to the portable kernels, the last column says which). Autograd
+runs the backward on the calling thread here (on a GPU host, on its device thread).
 
 CPU tensors stand in for CUDA ones, whose caching allocator hands a freed block back without a
 system call; glibc, left alone, returns a freed 2 MB tensor to the system and maps it again on
@@ -66,7 +66,9 @@ import tileattn.kernels.attn_bwd_hopper as KB  # noqa: E402
 import tileattn.kernels.attn_fwd_hopper as KF  # noqa: E402
 import tileattn.gpu.kvcache as KV  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
+from tileattn.gpu._tuning import interpreting  # noqa: E402
 from tileattn.ops import _validate  # noqa: E402
+from tileattn.ops import attention as dense_ops  # noqa: E402
 
 
 class _Compiled(CompiledKernel):
@@ -173,8 +175,9 @@ TRAINING_CELLS = ((16, 128, False), (16, 128, True), (32, 64, False), (32, 64, T
 
 def training_step(nheads: int, head_dim: int, causal: bool, seqlen: int = 512):
     """One eager training step on (1, seqlen, nheads, head_dim) bf16 as prefill.py times it: the
-    call that records the graph, and the call plus ``.backward(dout)`` with the grads dropped
-    first (its ``grad_to_none``). Returns (forward, step, (q, k, v, dout))."""
+    call that records the graph, the call plus ``.backward(dout)`` with the grads dropped first (its
+    ``grad_to_none``), and the call under ``torch.no_grad()`` (inference: the no-graph lane).
+    Returns (forward, step, no_grad, (q, k, v, dout))."""
     dt = torch.bfloat16
     q, k, v = (torch.randn(1, seqlen, nheads, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, seqlen, nheads, head_dim, dtype=dt)
@@ -186,7 +189,11 @@ def training_step(nheads: int, head_dim: int, causal: bool, seqlen: int = 512):
         q.grad = k.grad = v.grad = None
         tileattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
 
-    return forward, step, (q, k, v, dout)
+    def no_grad():
+        with torch.no_grad():
+            tileattn.flash_attn_func(q, k, v, causal=causal)
+
+    return forward, step, no_grad, (q, k, v, dout)
 
 
 def cell_name(nheads: int, head_dim: int, causal: bool) -> str:
@@ -203,13 +210,30 @@ def kernel_paths(tensors, causal: bool) -> str:
     return " / ".join("portable" if why else "gluon" for why in (fwd, bwd))
 
 
+def h200_device_reason(q) -> str | None:
+    """``hopper.device_reason`` as on an H200: the environment's switches, then a device that passes."""
+    if not HP.hopper_enabled():
+        return "TILEATTN_HOPPER=0"
+    return "not a CUDA device" if interpreting() else None
+
+
+def gluon_launches() -> tuple[int, int]:
+    """How many forward and backward Gluon launches went straight to their (stand-in) compiled kernel
+    so far: what the timed calls took, to check against what the rules say (``kernel_paths``)."""
+    return tuple(sum(launch.fast_calls for key, launch in L._LAUNCHES.items() if key[0] is kernel)
+                 for kernel in (KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel))
+
+
 def print_training(title: str, cells, args) -> None:
-    print(f"\n{title:44s} {'forward':>8s} {'fwd + bwd':>10s}   kernels (fwd / bwd)")
+    print(f"\n{title:44s} {'forward':>8s} {'fwd + bwd':>10s} {'no grad':>8s}   kernels (fwd / bwd)")
     for nheads, head_dim, causal in cells:
-        forward, step, tensors = training_step(nheads, head_dim, causal)
-        fwd_us, step_us = (median_us(call, args.calls, args.repeat) for call in (forward, step))
-        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f}   "
-              f"{kernel_paths(tensors, causal)}")
+        forward, step, no_grad, tensors = training_step(nheads, head_dim, causal)
+        before = gluon_launches()
+        fwd_us, step_us, no_grad_us = (median_us(call, args.calls, args.repeat) for call in (forward, step, no_grad))
+        paths = kernel_paths(tensors, causal)
+        took = " / ".join("gluon" if n > b else "portable" for n, b in zip(gluon_launches(), before))
+        assert took == paths, f"the timed calls took {took}, the rules say {paths}"
+        print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f} {no_grad_us:8.1f}   {paths}")
 
 
 def main():
@@ -261,11 +285,18 @@ def main():
     B._attn_bwd_preprocess = _Kernels(B._attn_bwd_preprocess)
     B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
     print_training("training step (µs, median), as on this CPU", TRAINING_CELLS[:2], args)
-    # as on the H200: the Hopper rules' device test passed (sm_90, Gluon; TILEATTN_HOPPER still
-    # read), the Gluon kernels stand-ins too
-    HP.device_reason = HB.device_reason = lambda q: None if HP.hopper_enabled() else "TILEATTN_HOPPER=0"
+    # as on the H200: the Hopper rules' device test passed (sm_90, Gluon; the environment's switches,
+    # TILEATTN_HOPPER and TRITON_INTERPRET, still read as the real test reads them), the Gluon
+    # kernels stand-ins too. Since the rules are asked in two parts (#17) the device is the part a
+    # call signature fixes (device_kind_reason); fe41ec7 and before had only device_reason.
+    HP.device_reason = HB.device_reason = h200_device_reason
+    if hasattr(HP, "device_kind_reason"):
+        HP.device_kind_reason = HB.device_kind_reason = lambda q: None
     KF._attn_fwd_hopper_kernel, KB._attn_bwd_hopper_kernel = (_Kernels(KF._attn_fwd_hopper_kernel),
                                                               _Kernels(KB._attn_bwd_hopper_kernel))
+    # a fresh memo: the lanes the first table's cells prepared have decided there, once for their
+    # signature, that this device takes no Gluon kernel (#17; before, they asked on every call)
+    dense_ops._CHECKED.clear()
     print_training("training step (µs, median), as on the H200", TRAINING_CELLS, args)
 
 

@@ -201,21 +201,29 @@ TRITON_ONLY = pytest.mark.parametrize("backend", ["triton"], indirect=True)  # t
 
 
 @TRITON_ONLY
-def test_prepare_fwd_asks_the_hopper_rule_per_call_for_prefill_shapes():
-    """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count), which the Hopper
-    kernel may take depending on the environment and alignment, get a launch that asks its rule
-    on every call (tests/test_graph_lane.py runs it both ways); decoding shapes and caches, which
-    the rule declines by shape, get one that never asks."""
+def test_prepare_fwd_asks_the_hopper_rule_per_call_for_prefill_shapes(monkeypatch):
+    """Prefill shapes (MIN_SEQLEN_Q rows and more, no cache, no split count) whose device, dtypes,
+    head dims, strides and options the Hopper kernel takes get a launch that asks the rest of its
+    rule (the environment, the pointers' alignment) on every call (tests/test_graph_lane.py runs it
+    both ways); decoding shapes, caches, operands the kernel cannot take (fp32) and devices it cannot
+    run on get one that never asks."""
+    from tileattn.gpu import hopper
+
     params = AttnParams(0.25)
     rows = prepared.MIN_SEQLEN_Q
-    q = torch.empty(1, rows, 2, 64, device=DEV)
+    q = torch.empty(1, rows, 2, 64, device=DEV, dtype=torch.bfloat16)
     lse = torch.empty(1, 2, rows, device=DEV)
     opts = dict(params=params, alibi_slopes=None, max_seqlen_q=rows, max_seqlen_k=rows, seqused_k=None,
                 block_table=None, learnable_sink=None, k_descale=None)
-    assert prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts).hopper
+    on_hopper = hopper.device_kind_reason(q) is None
+    assert (prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts).hopper is not None) == on_hopper
+    monkeypatch.setattr(hopper, "device_kind_reason", lambda q: None)  # the device as an H200's
+    assert prepared.prepare_fwd(q, q, q, q, lse, num_splits=1, **opts).hopper is not None
+    q32 = q.float()
+    assert prepared.prepare_fwd(q32, q32, q32, q32, lse, num_splits=1, **opts).hopper is None
     q1 = q[:, :1]
     for num_splits in (1, 2):
-        assert not prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts).hopper
+        assert prepared.prepare_fwd(q1, q, q, q1, lse[..., :1], num_splits=num_splits, **opts).hopper is None
 
 
 @TRITON_ONLY

@@ -146,38 +146,93 @@ def test_prepared_backward_after_clear_plans_plans_again():
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+class _Record:
+    """Stands in for a Gluon kernel: ``kernel[grid](*args, **kwargs)`` records (nothing compiled)."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel.fn.__name__, grid, args, kwargs))
+
+    def __getattr__(self, name):  # arg_names, params, do_not_specialize: the launch path reads them
+        return getattr(self.kernel, name)
+
+
+def _meta(arg):
+    """What a recorded launch argument must match across two calls: a descriptor's fields but its
+    base, a tensor's layout, else the value."""
+    if isinstance(arg, torch.Tensor):
+        return ("tensor", arg.shape, arg.stride(), arg.dtype)
+    if hasattr(arg, "block_shape"):
+        return ("descriptor", arg.base.shape, arg.base.stride(), arg.block_shape, arg.shape, arg.strides, arg.layout)
+    return arg
+
+
 @TRITON_ONLY
-@pytest.mark.skipif(DEV != "cpu", reason="stands in for the Gluon launchers")
+@pytest.mark.skipif(DEV != "cpu", reason="stands in for the Gluon kernels")
 def test_prepared_launches_ask_the_hopper_rules_on_every_call(monkeypatch):
-    """The lane's forward and backward ask the Hopper rules each call, as ``attn_fwd`` and
-    ``attn_bwd`` do: a yes goes to the Hopper launchers (recorded here), a no to the portable
-    kernels, in any order, and the backward keeps a plan for each answer."""
-    rows = prepared.MIN_SEQLEN_Q  # a prefill shape: the forward's rule is asked too
+    """The lane's forward and backward ask the part of the Hopper rules a call can change on every
+    call (the environment's switches, the pointers' alignment), as ``attn_fwd`` and ``attn_bwd``
+    ask the whole rules: with the device stood in for, ``TILEATTN_HOPPER=1`` sends a call to the
+    Gluon kernels (recorded here: the signature's kept launches, with the launches and arguments of
+    the full path, an empty memo), ``TILEATTN_HOPPER=0`` or a q 2 bytes off alignment to the
+    portable kernels, bitwise the full path's gradients, in any order; the backward keeps a plan
+    for each answer."""
+    from tileattn.gpu import hopper, hopper_bwd
+    from tileattn.kernels import attn_bwd_hopper, attn_fwd_hopper
+
+    rows, shape = prepared.MIN_SEQLEN_Q, (1, prepared.MIN_SEQLEN_Q, 2, 64)  # a prefill shape the Gluon kernels take
     gen = torch.Generator().manual_seed(104)
-    q, k, v = (torch.randn(1, rows, 2, 16, generator=gen).requires_grad_() for _ in range(3))
-    dout = torch.randn(1, rows, 2, 16, generator=gen)
-    answer, launched = {"yes": False}, []
-    monkeypatch.setattr(prepared, "hopper_fwd_reason", lambda *a, **kw: None if answer["yes"] else "no")
-    monkeypatch.setattr(B, "hopper_bwd_reason", lambda *a, **kw: None if answer["yes"] else "no")
-    monkeypatch.setattr(prepared, "hopper_attn_fwd", lambda q, k, v, out, lse, **kw: launched.append(("fwd", kw)))
-    monkeypatch.setattr(B, "hopper_attn_bwd", lambda *a, **kw: launched.append(("bwd", kw)))
-    _, expect = step(q, k, v, dout, causal=True)  # the full path (and the prepared launches' first call)
-    for yes in (False, True, False, True, False):
-        answer["yes"] = yes
+    q, k, v, dout = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    flat = torch.zeros(q.numel() + 8, dtype=torch.bfloat16, requires_grad=True)
+    odd = flat[1:1 + q.numel()].view(shape)  # q's values and layout, 2 bytes past an aligned base
+    with torch.no_grad():
+        odd.copy_(q)
+    launched = []
+    for module, name in ((attn_fwd_hopper, "_attn_fwd_hopper_kernel"), (attn_bwd_hopper, "_attn_bwd_hopper_kernel")):
+        monkeypatch.setattr(module, name, _Record(getattr(module, name), launched))
+    for module in (hopper, hopper_bwd):  # the device as an H200's, compiled kernels (not the interpreter)
+        monkeypatch.setattr(module, "device_kind_reason", lambda q: None)
+    monkeypatch.setattr(hopper, "interpreting", lambda: False)
+
+    def grads(q_):
+        out = tileattn.flash_attn_func(q_, k, v)
+        return torch.autograd.grad(out, (q_, k, v), dout)
+
+    def full_path(q_):
+        entries = dict(dense_ops._CHECKED.entries)
+        dense_ops._CHECKED.clear()
+        try:
+            return grads(q_)
+        finally:
+            dense_ops._CHECKED.entries.update(entries)  # the lane back, prepared as before
+
+    monkeypatch.setenv("TILEATTN_HOPPER", "0")
+    expect = grads(q)  # the full path (and the prepared launches' first call), portable
+    for case in ("off", "on", "off", "odd", "on", "on", "odd"):
+        monkeypatch.setenv("TILEATTN_HOPPER", "0" if case == "off" else "1")
         launched.clear()
-        _, grads = step(q, k, v, dout, causal=True)
-        if yes:
-            (fwd, fwd_kw), (bwd, bwd_kw) = launched
-            assert (fwd, bwd) == ("fwd", "bwd") and fwd_kw["params"].window_right == 0
-            assert (fwd_kw["max_seqlen_q"], fwd_kw["max_seqlen_k"], fwd_kw["learnable_sink"]) == (rows, rows, None)
-            assert bwd_kw["params"] == fwd_kw["params"] and bwd_kw["cu_seqlens_q"] is None
+        got = grads(odd if case == "odd" else q)
+        if case == "on":
+            assert launched[0][2][0].base.data_ptr() == q.data_ptr()  # the forward's q descriptor: this call's q
+            lane_launches = list(launched)
+            launched.clear()
+            full_path(q)
+            assert [(n, g, kw) for n, g, _, kw in lane_launches] == [(n, g, kw) for n, g, _, kw in launched]
+            assert [[_meta(a) for a in args] for _, _, args, _ in lane_launches] == [
+                [_meta(a) for a in args] for _, _, args, _ in launched]
+            assert [name for name, *_ in lane_launches] == ["_attn_fwd_hopper_kernel"] + ["_attn_bwd_hopper_kernel"] * 2
         else:
-            assert launched == []
-            for g, e in zip(grads, expect):
-                torch.testing.assert_close(g, e, rtol=0, atol=0)
-    prepared_bwd = lane().call.bwd
-    assert lane().call.fwd.hopper and all(p is not None for p in prepared_bwd.plans)
-    assert prepared_bwd.plans[True].hopper and not prepared_bwd.plans[False].hopper
+            assert launched == [], case
+            for g, e in zip(got, expect):
+                torch.testing.assert_close(g, e, rtol=0, atol=0, msg=case)
+    fwd, bwd = lane().call.fwd, lane().call.bwd
+    assert lane().calls == 7 and bwd.calls == 6
+    assert isinstance(fwd.hopper, hopper.HopperFwd) and fwd.hopper.launch.launch is not None
+    assert all(launch.launch is not None for launch in bwd.hopper.launches)
+    assert bwd.plans[True].hopper and not bwd.plans[False].hopper
 
 
 def test_dropout_takes_no_graph_lane():

@@ -144,7 +144,7 @@ def test_hopper_fp32_gradients(head_dim):
 
 def test_hopper_deterministic():
     """``deterministic=True``: no reductions, one tile config: two runs give bitwise the same
-    gradients, the second launched straight to the compiled kernels (``launch_gluon``: dK/dV and
+    gradients, the second launched straight to the compiled kernels (``GluonLaunch``: dK/dV and
     dQ); without it, head dim 128 is one launch (dK/dV with dQ's reductions)."""
     from tileattn.gpu import _launch
     from tileattn.kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel

@@ -154,7 +154,7 @@ def test_hopper_fp32_output():
 
 
 def test_hopper_launch_skips_triton_after_the_first_call():
-    """A shape class's later calls go straight to the compiled kernel (``launch_gluon`` through
+    """A shape class's later calls go straight to the compiled kernel (``GluonLaunch`` through
     ``_launch.Launch``) and give bitwise the same output; a call with sinks, whose kernel differs,
     gets a launch of its own and the sinks' values."""
     from tileattn.gpu import _launch

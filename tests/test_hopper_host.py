@@ -1,6 +1,8 @@
 """The Gluon launches' host side on a CPU (``tileattn.gpu.hopper``): the TMA descriptors kept per
 (shape, strides, block, dtype), the alignment rule, the launch kept per constexprs and argument
-classes. The kernels' values are checked on the GPU (tests/test_hopper_fwd.py, test_hopper_bwd.py)."""
+classes, the launches a call signature keeps (``GluonLaunch``) and the Hopper rules asked in two
+parts (once per signature, the rest per call). The kernels' values are checked on the GPU
+(tests/test_hopper_fwd.py, test_hopper_bwd.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tileattn.contract import AttnParams
 from tileattn.gpu import hopper
 
 BLOCKS = [(1, 64, 1, 128), (1, 128, 1, 64), (1, 32, 1, 4, 64)]
@@ -26,6 +29,11 @@ def fields(desc):
     return {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc)}
 
 
+def descriptor(t, block):
+    """The descriptor a Gluon launch passes for base ``t``: kept fields, ``t`` as base."""
+    return hopper._rebase(hopper._kept_fields(t, block), t)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kept_descriptors_equal_constructed_ones(dtype):
     """Every descriptor, the first of its (shape, strides, block, dtype) and the later copies, has
@@ -36,11 +44,11 @@ def test_kept_descriptors_equal_constructed_ones(dtype):
         shape = (2, 96, 4, 128) if len(block) == 4 else (2, 96, 2, 4, 64)
         for step in range(3):
             t = torch.randn(shape).to(dtype)
-            desc = hopper._descriptor(t, block)
+            desc = descriptor(t, block)
             assert type(desc) is TensorDescriptor and desc.base is t
             assert fields(desc) == fields(constructed(t, block)) and desc == constructed(t, block), step
         heads_first = torch.randn(shape[0], shape[2], shape[1], *shape[3:]).to(dtype).transpose(1, 2)
-        desc = hopper._descriptor(heads_first, block)
+        desc = descriptor(heads_first, block)
         assert desc.strides == list(heads_first.stride()) and fields(desc) == fields(constructed(heads_first, block))
 
 
@@ -50,38 +58,41 @@ def test_kept_descriptor_fields_hold_no_tensor_and_check_alignment():
     hopper._DESCRIPTOR_FIELDS.clear()
     block = BLOCKS[0]
     t = torch.randn(1, 64, 2, 128).to(torch.bfloat16)
-    hopper._descriptor(t, block)
+    descriptor(t, block)
     gone = weakref.ref(t)
     del t
     gc.collect()
     assert gone() is None, "the kept fields hold the first tensor"
     flat = torch.empty(64 * 2 * 128 + 8, dtype=torch.bfloat16)
     odd = flat[1:1 + 64 * 2 * 128].view(1, 64, 2, 128)  # 2 bytes past an aligned start
-    assert odd.data_ptr() % 16 and not hopper._tma_ok(odd)
+    assert odd.data_ptr() % 16 and hopper._pointers_reason(odd) and not hopper._strides_reason(odd)
     with pytest.raises(AssertionError, match="16-byte aligned"):
         constructed(odd, block)
     with pytest.raises(AssertionError, match="16-byte aligned"):
-        hopper._descriptor(odd, block)
+        descriptor(odd, block)
 
 
 def test_descriptor_fields_are_forgotten_when_full(monkeypatch):
     monkeypatch.setattr(hopper, "_MAX_DESCRIPTORS", 2)
     hopper._DESCRIPTOR_FIELDS.clear()
     for n in (64, 128, 192):
-        hopper._descriptor(torch.empty(1, n, 2, 128, dtype=torch.bfloat16), BLOCKS[0])
+        descriptor(torch.empty(1, n, 2, 128, dtype=torch.bfloat16), BLOCKS[0])
     assert len(hopper._DESCRIPTOR_FIELDS) == 1
 
 
 def test_tma_rule_on_strides_and_alignment():
-    """``_tma_ok``: the base 16-byte aligned and every stride but the last a multiple of 16 bytes."""
+    """The base 16-byte aligned (``_pointers_reason``, asked per call) and every stride but the last a
+    multiple of 16 bytes (``_strides_reason``, fixed by a signature)."""
     def rule(t):
         return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
     base = torch.empty(4096, dtype=torch.bfloat16)
     views = [base[:2048].view(2, 16, 64), base[:2040].view(3, 680), base[8:8 + 2048].view(2, 16, 64),
              base[1:1 + 2048].view(2, 16, 64), base.view(64, 64)[:, :60], base.view(64, 64)[:, 4:60],
-             torch.empty(3, 5, 8, dtype=torch.float32), torch.empty(3, 4, 8, dtype=torch.float32)]
-    assert [hopper._tma_ok(t) for t in views] == [rule(t) for t in views]
+             torch.empty(3, 5, 8, dtype=torch.float32), torch.empty(3, 4, 8, dtype=torch.float32),
+             base[:2046].view(3, 682), torch.empty(3, 5, 3, dtype=torch.float32)]  # strides of 1364 and 12 bytes
+    assert [not (hopper._strides_reason(t) or hopper._pointers_reason(t)) for t in views] == [rule(t) for t in views]
+    assert hopper._pointers_reason(*views) and hopper._strides_reason(*views)
     assert any(rule(t) for t in views) and not all(rule(t) for t in views)
 
 
@@ -97,18 +108,112 @@ class _Record:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-def test_launch_gluon_keeps_one_launch_per_constexprs_and_classes():
+def test_launch_of_keeps_one_launch_per_constexprs_and_classes():
     """Calls with the same constexprs and argument classes share a ``Launch``; a constexpr's value
-    or an argument's class makes another. Each launch gets the register split and its options."""
+    or an argument's class makes another. Each launch gets the register split and its options.
+    (A launcher called once per call, as ``hopper_attn_fwd``, makes a ``GluonLaunch`` per call.)"""
     kernel = _Record()
     x = torch.empty(4)
     for n in (32, 48):  # both divisible by 16: one class
-        hopper.launch_gluon(kernel, (1, 1, 1), (x, n), dict(A=1, B=True))
-    hopper.launch_gluon(kernel, (1, 1, 1), (x, 33), dict(A=1, B=True))
-    hopper.launch_gluon(kernel, (1, 1, 1), (x, 32), dict(A=2, B=True))
+        hopper.GluonLaunch(kernel, (1, 1, 1), dict(A=1, B=True), (None,), (n,))(x)
+    hopper.GluonLaunch(kernel, (1, 1, 1), dict(A=1, B=True), (None,), (33,))(x)
+    hopper.GluonLaunch(kernel, (1, 1, 1), dict(A=2, B=True), (None,), (32,))(x)
     launches = {id(v): v for k, v in hopper._GLUON_LAUNCHES.items() if k[0] is kernel}
     assert len(launches) == 3 and len(kernel.launches) == 4
     assert all(kw == dict(A=kw["A"], B=True, CONSUMER_REGS=hopper.CONSUMER_REGS,
                           PRODUCER_REGS=hopper.PRODUCER_REGS, num_warps=4, maxnreg=hopper.MAXNREG)
                for _, _, kw in kernel.launches)
     assert [args[1] for _, args, _ in kernel.launches] == [32, 48, 33, 32]
+
+
+class _DescRecord(_Record):
+    arg_names = ["desc", "out", "sink", "n", "scale"]
+
+
+def test_gluon_launch_keeps_classes_and_descriptors(monkeypatch):
+    """A kept ``GluonLaunch`` (a prepared signature's) works its argument classes out once and later
+    calls launch with the ``Launch`` a fresh lookup gives and the arguments a fresh one-shot launch
+    passes: each call's descriptor (its own base, the constructor's fields) and tensors, the kept
+    numbers. A later base that is not 16-byte aligned still raises as the constructor does."""
+    kernel, block = _DescRecord(), (1, 64, 1, 128)
+    counted = []
+    real = hopper.arg_classes
+    monkeypatch.setattr(hopper, "arg_classes", lambda fn, args: counted.append(1) or real(fn, args))
+    kept = hopper.GluonLaunch(kernel, (7, 1, 1), dict(A=1), (block, None, None), (48, 0.5))
+    flat = torch.empty(64 * 2 * 128 + 8, dtype=torch.bfloat16)
+    for step in range(3):
+        t, out = torch.randn(1, 64, 2, 128).to(torch.bfloat16), torch.empty(3)
+        kept(t, out, None)
+        fresh = hopper.GluonLaunch(kernel, (7, 1, 1), dict(A=1), (block, None, None), (48, 0.5))
+        fresh(t, out, None)
+        (g1, got, kw1), (g2, expect, kw2) = kernel.launches[-2:]
+        assert (g1, kw1) == (g2, kw2) and got[0].base is t and got[1] is out and got[2] is None
+        assert fields(got[0]) == fields(expect[0]) == fields(constructed(t, block)) and got[1:] == expect[1:]
+        assert kept.launch is fresh.launch
+    assert len(counted) == 1 + 3, "the kept launch asked arg_classes again"
+    odd = flat[1:1 + 64 * 2 * 128].view(1, 64, 2, 128)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        kept(odd, torch.empty(3), None)
+
+
+def _cases():
+    """(q, k, v, dout, params, options) for the rules: prefill shapes the Gluon kernels take and
+    variants that each break one condition (dtype, head dim, rows, short causal call, options,
+    an empty batch, strides, a pointer, a cache, splits)."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape).to(dtype)
+
+    flat = torch.empty(1 * 256 * 2 * 64 + 8, dtype=torch.bfloat16)
+    odd = flat[1:1 + 256 * 2 * 64].view(1, 256, 2, 64)  # a base 2 bytes past alignment
+    wide = t(1, 256, 2, 65)[..., :64]  # head strides of 130 bytes
+    q, kv = t(1, 256, 2, 64), t(1, 300, 1, 64)
+    plain, causal = AttnParams(0.125, -1, -1), AttnParams(0.125, -1, 0)
+    yield q, kv, kv, q, plain, {}
+    yield q, kv, kv, q, causal, {}  # the forward's short causal call at head dim 64, the backward's not
+    yield t(1, 256, 2, 128), t(1, 300, 1, 128), t(1, 300, 1, 128), t(1, 256, 2, 128), causal, {}
+    yield q.float(), kv.float(), kv.float(), q.float(), plain, {}
+    yield t(1, 256, 2, 96), t(1, 300, 1, 96), t(1, 300, 1, 96), t(1, 256, 2, 96), plain, {}
+    yield q[:, :64], kv, kv, q[:, :64], plain, {}
+    yield q[:0], kv[:0], kv[:0], q[:0], plain, {}
+    yield q, kv, kv, q, AttnParams(0.125, -1, -1, softcap=5.0), {}
+    yield q, kv, kv, q, plain, dict(alibi_slopes=torch.ones(2))
+    yield q, kv, kv, odd, plain, {}
+    yield odd, kv, kv, q, plain, {}
+    yield wide, kv, kv, q, plain, {}
+    yield q, kv, kv, wide, plain, {}
+    yield q, kv, kv, q, plain, dict(paged=True)
+    yield q, kv, kv, q, plain, dict(num_splits=2)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_rules_equal_their_two_parts(monkeypatch, switch):
+    """The forward's and the backward's Hopper rule say yes exactly where the part a signature
+    fixes (``fwd_signature_reason``, ``bwd_signature_reason``: shapes, dtypes, strides, options,
+    the device) and the part a call can change (``call_reason``: the environment's switches, the
+    pointers) both do, and give one of the parts' phrases. The device is stood in for as an H200
+    (not Triton's interpreter); with ``TILEATTN_HOPPER=0`` both rules say no."""
+    from tileattn.gpu import hopper_bwd
+
+    for module in (hopper, hopper_bwd):
+        monkeypatch.setattr(module, "device_kind_reason", lambda q: None)
+    monkeypatch.setattr(hopper, "interpreting", lambda: False)
+    monkeypatch.setenv("TILEATTN_HOPPER", switch)
+    device = None if switch == "1" else "TILEATTN_HOPPER=0"
+    yes = {"fwd": 0, "bwd": 0}
+    for q, k, v, dout, params, opts in _cases():
+        fwd_opts = dict(alibi_slopes=opts.get("alibi_slopes"), varlen=False, paged=opts.get("paged", False),
+                        seqused_k=None, num_splits=opts.get("num_splits", 1))
+        whole = hopper.hopper_fwd_reason(q, k, v, params, **fwd_opts)
+        parts = hopper.fwd_signature_reason(q, k, v, params, **fwd_opts), hopper.call_reason(q, k, v)
+        assert (whole is None) == (parts == (None, None)) and whole in (*parts, None), (whole, parts)
+        yes["fwd"] += whole is None
+        if opts.get("paged") or opts.get("num_splits"):
+            continue
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        bwd_opts = dict(alibi_slopes=opts.get("alibi_slopes"))
+        whole = hopper_bwd.hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, **bwd_opts)
+        parts = (hopper_bwd.bwd_signature_reason(dout, q, k, v, dq, dk, dv, params, **bwd_opts),
+                 hopper.call_reason(q, k, v, dout))
+        assert (whole is None) == (parts == (None, None)) and whole in (*parts, None), (whole, parts)
+        yes["bwd"] += whole is None
+    assert yes == ({"fwd": 4, "bwd": 4} if device is None else {"fwd": 0, "bwd": 0})

@@ -15,7 +15,8 @@ from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
 from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
-from .hopper_bwd import hopper_attn_bwd, hopper_bwd_reason
+from .hopper import call_reason
+from .hopper_bwd import HopperBwd, bwd_signature_reason, hopper_attn_bwd, hopper_bwd_reason
 
 __all__ = ["attn_bwd", "clear_plans", "prepare_bwd", "BwdPlan", "PreparedBwd"]
 
@@ -179,29 +180,37 @@ def prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes, cu
     slopes and sinks have these tensors' metadata and whose options are these (the caller vouches
     for them: the ops layer's memo entry of a forward signature, ``ops._custom.GraphLane``, after
     that signature's first backward), or None where it cannot be: packed (varlen) calls and
-    dropout (a seed per call). The prepared launch checks per call what autograd may change (dO's
-    strides and dtype, whether a gradient reaches the LSE and its layout) and asks the Hopper rule
-    (the environment, the pointers' alignment); anything new goes to ``attn_bwd``."""
+    dropout (a seed per call). The Hopper rule's part that these fix (``bwd_signature_reason``)
+    is asked here. The prepared launch checks per call what autograd may change (dO's strides and
+    dtype, whether a gradient reaches the LSE and its layout) and, where that part said yes, asks
+    the rest (``call_reason``: the environment, the pointers' alignment); anything new goes to
+    ``attn_bwd``."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None or params.dropout_p > 0:
         return None
+    hopper = bwd_signature_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
+                                  max_seqlen_q=max_seqlen_q) is None
     return PreparedBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic), (dout.stride(), dout.dtype),
-                       None if dlse is None else (dlse.stride(), dlse.dtype), kernel_scalars(params, q.shape[-2]))
+                       None if dlse is None else (dlse.stride(), dlse.dtype), kernel_scalars(params, q.shape[-2]),
+                       HopperBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic)) if hopper else None)
 
 
 class PreparedBwd:
     """``prepare_bwd``'s launch: ``prepared(dout, dlse, q, k, v, out, lse, dq, dk, dv, alibi_slopes,
     learnable_sink, dsink)`` does what ``attn_bwd`` with the prepared options does: with dO and
     dlse laid out as at preparation, the plan of this call's Hopper decision (made by ``_plan``
-    the first time, kept for both decisions), launched with the kernel scalars worked out once;
-    else ``attn_bwd`` itself. ``calls`` counts the calls that took a kept plan."""
+    the first time, kept for both decisions), launched with the kernel scalars worked out once
+    and, for the Gluon kernels, with the signature's launches (``hopper``: a ``HopperBwd``, None
+    where the signature's part of the rule said no); else ``attn_bwd`` itself. ``calls`` counts
+    the calls that took a kept plan."""
 
     __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "deterministic", "dout_meta", "dlse_meta", "scalars",
-                 "plans", "generation", "calls")
+                 "hopper", "plans", "generation", "calls")
 
     def __init__(self, params, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool, dout_meta: tuple,
-                 dlse_meta, scalars: tuple):
+                 dlse_meta, scalars: tuple, hopper: HopperBwd | None):
         self.params, self.max_seqlen_q, self.max_seqlen_k = params, max_seqlen_q, max_seqlen_k
         self.deterministic, self.dout_meta, self.dlse_meta, self.scalars = deterministic, dout_meta, dlse_meta, scalars
+        self.hopper = hopper
         self.plans, self.generation, self.calls = [None, None], generation, 0
 
     def __call__(self, dout, dlse, q, k, v, out, lse, dq, dk, dv, alibi_slopes, learnable_sink, dsink) -> None:
@@ -215,8 +224,7 @@ class PreparedBwd:
             return
         if self.generation != generation:  # the plans were forgotten: their tiles may be stale
             self.plans, self.generation = [None, None], generation
-        hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
-                                   max_seqlen_q=self.max_seqlen_q) is None
+        hopper = self.hopper is not None and call_reason(q, k, v, dout) is None  # as hopper_bwd_reason
         plan = self.plans[hopper]
         if plan is None:
             plan = self.plans[hopper] = _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, None, None,
@@ -224,7 +232,7 @@ class PreparedBwd:
                                               learnable_sink)
         self.calls += 1
         plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, None, None, dlse, learnable_sink, dsink,
-                 self.scalars)
+                 self.scalars, self.hopper)
 
 
 class BwdPlan:
@@ -308,9 +316,11 @@ class BwdPlan:
                 (tensor_dtypes, window_left, window_right)))
 
     def run(self, dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-            dlse=None, learnable_sink=None, dsink=None, scalars=None) -> None:
+            dlse=None, learnable_sink=None, dsink=None, scalars=None, gluon=None) -> None:
         """Launch the plan on one call's tensors (they must have the plan's key); ``scalars``: the
-        kernels' ``kernel_scalars(params, nheads)`` when the caller has them, else worked out here."""
+        kernels' ``kernel_scalars(params, nheads)`` when the caller has them, else worked out here;
+        ``gluon``: the Gluon launches of the caller's signature (``HopperBwd``) when it keeps them,
+        else ``hopper_attn_bwd`` works them out."""
         if dsink is not None:
             dsink.zero_()
         if self.empty:
@@ -328,9 +338,12 @@ class BwdPlan:
             if sink_terms is not None:  # (B, H, Sq) or packed (H, Tq) -> (H,), summed in a fixed order
                 dsink.copy_(-(sink_terms.sum(dim=1) if cu_seqlens_q is not None else sink_terms.sum(dim=(0, 2))))
         if self.hopper:  # (the plan has no portable kernels)
-            hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
-                            max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
+            if gluon is not None:
+                gluon(dout, q, k, v, dq, dk, dv, lse2, delta)
+            else:
+                hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, params=params, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlens[0],
+                                max_seqlen_k=self.max_seqlens[1], deterministic=self.deterministic)
             return
         if scalars is None:
             scalars = kernel_scalars(params, q.shape[-2])

@@ -2,7 +2,10 @@
 
 ``attn_fwd`` of ``gpu/attention.py`` asks ``hopper_fwd_reason`` first: ``None`` means the
 Hopper kernel takes the call; otherwise the string says why the portable kernel runs (the
-benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off.
+benchmarks print it). ``TILEATTN_HOPPER=0`` turns the Hopper path off. A prepared forward
+(``gpu/prepared.py``) asks the rule's two parts apart: ``fwd_signature_reason`` (shapes, dtypes,
+strides, options, the device) once for its signature, ``call_reason`` (the environment, the data
+pointers' alignment) on every call, and keeps its launch (``HopperFwd``, ``GluonLaunch``).
 
 Work items of 128 query rows, each computed by two consumer warpgroups of 64 rows and one
 producer warp (``kernels/attn_fwd_hopper.py``): one program per SM walks them when they cost
@@ -27,7 +30,8 @@ from ..contract import AttnParams
 from ._launch import arg_classes, cdiv, launch_for
 from ._tuning import interpreting
 
-__all__ = ["hopper_fwd_reason", "hopper_attn_fwd", "hopper_partials_reason", "hopper_partials_splits",
+__all__ = ["hopper_fwd_reason", "fwd_signature_reason", "call_reason", "hopper_attn_fwd", "HopperFwd", "GluonLaunch",
+           "hopper_partials_reason", "hopper_partials_splits",
            "hopper_attn_partials", "HopperPartials", "HOPPER_TILES"]
 
 HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
@@ -84,26 +88,51 @@ def _gluon_available() -> bool:
     return True
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
-    (Asked on every call of the rules: a loop, not ``all`` over a generator.)"""
-    if t.data_ptr() % 16:
-        return False
-    size = t.element_size()
-    for s in t.stride()[:-1]:
-        if s * size % 16:
-            return False
-    return True
+def _strides_reason(*tensors) -> str | None:
+    """Why a TMA descriptor cannot read one of ``tensors`` by its strides (every stride but the last
+    a multiple of 16 bytes), or None. A call signature fixes it."""
+    for t in tensors:
+        size = t.element_size()
+        for s in t.stride()[:-1]:
+            if s * size % 16:
+                return "strides not 16-byte aligned"
+    return None
+
+
+def _pointers_reason(*tensors) -> str | None:
+    """Why a TMA descriptor cannot read one of ``tensors`` by its base (not 16-byte aligned), or
+    None: the part of the alignment rule that can change from call to call."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return "strides not 16-byte aligned" if bits & 15 else None
 
 
 def device_reason(q) -> str | None:
     """Why the Gluon kernels cannot run on ``q``'s device, or are turned off there (one short
-    phrase), or None: they can. The forward's and the backward's rules both ask it."""
+    phrase), or None: they can. The forward's and the backward's rules both ask it: the switches
+    of the environment, which can change between calls (``switch_reason``), then the device,
+    which a call signature fixes (``device_kind_reason``)."""
+    return switch_reason() or device_kind_reason(q)
+
+
+def switch_reason() -> str | None:
+    """Why the environment turns the Gluon kernels off (``TILEATTN_HOPPER=0``, Triton's
+    interpreter), or None. Read on every call, as the environment may change between calls."""
     if not hopper_enabled():
         return "TILEATTN_HOPPER=0"
-    if q.device.type != "cuda" or interpreting():
+    if interpreting():
         return "not a CUDA device"
-    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+    return None
+
+
+def device_kind_reason(q) -> str | None:
+    """Why ``q``'s device cannot run the Gluon kernels (not CUDA, not sm_90, a Triton without
+    Gluon), or None: what a call signature (its device) fixes."""
+    device = q.device
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return "not sm_90"
     if not _gluon_available():
         return "Triton has no Gluon"
@@ -137,40 +166,57 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
     """None when the Hopper kernel can compute this forward call, else why not (one short phrase).
 
     The shape checks come first: a decoding call, the most frequent and the shortest, is told
-    no before the environment and the device are looked at."""
+    no before the environment and the device are looked at. All but the environment
+    (``switch_reason``) and the data pointers' alignment are fixed by the call's signature:
+    ``fwd_signature_reason`` asks them once, ``call_reason`` the rest."""
+    return (_fwd_shape_reason(q, params, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_reason(q)
+            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen) or _pointers_reason(q, k, v))
+
+
+def fwd_signature_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
+                         num_splits: int, max_seqlen_q: int = 0) -> str | None:
+    """The part of ``hopper_fwd_reason`` that every call with these tensors' metadata (shapes,
+    strides, dtypes, device) and these options answers alike; a call passes the whole rule when
+    this is None and ``call_reason(q, k, v)`` is None."""
+    return (_fwd_shape_reason(q, params, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_kind_reason(q)
+            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen))
+
+
+def call_reason(*tensors) -> str | None:
+    """The part of the Gluon rules (forward and backward) that can change between calls of one
+    signature: the environment's switches (``switch_reason``), then the 16-byte alignment of the
+    ``tensors``' data pointers."""
+    return switch_reason() or _pointers_reason(*tensors)
+
+
+def _fwd_shape_reason(q, params: AttnParams, varlen: bool, paged: bool, seqused_k, num_splits: int,
+                      max_seqlen_q: int) -> str | None:
     if paged or seqused_k is not None:
         return "paged / seqused_k"
     if num_splits > 1:
         return "explicit KV splits"
-    seq_dim = 0 if varlen else 1
-    rows = max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim]
+    rows = max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[0 if varlen else 1]
     if rows < MIN_SEQLEN_Q:
         return "decoding shape"
-    short = short_call(params, q.shape[-1], rows, "fwd")
-    if short is not None:
-        return short
+    return short_call(params, q.shape[-1], rows, "fwd")
+
+
+def _fwd_operands_reason(q, k, v, params: AttnParams, alibi_slopes, varlen: bool) -> str | None:
     why = _operands_reason(q, k, v)
     if why is not None:
         return why
-    if q.shape[0] == 0 or k.shape[seq_dim] == 0:
+    if q.shape[0] == 0 or k.shape[0 if varlen else 1] == 0:
         return "empty batch or keys"
-    return options_reason(params, alibi_slopes) or _aligned_reason(q, k, v)
+    return options_reason(params, alibi_slopes) or _strides_reason(q, k, v)
 
 
 def _operands_reason(q, k, v) -> str | None:
-    """Why the Gluon forward cannot take these tensors (device, dtypes, head dims), or None."""
-    why = device_reason(q)
-    if why is not None:
-        return why
+    """Why the Gluon forward cannot take these tensors (dtypes, head dims), or None."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype} / {k.dtype} / {v.dtype}"
     if q.shape[-1] not in HOPPER_TILES or v.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]}"
     return None
-
-
-def _aligned_reason(*tensors) -> str | None:
-    return None if all(_tma_ok(t) for t in tensors) else "strides not 16-byte aligned"
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,14 +226,47 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).removeprefix("torch.")))
 
 
-def launch_gluon(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
-    """Launch Gluon ``kernel`` (one consumer warpgroup per default partition, the register split
-    of this module) through ``_launch.Launch``: after a shape class's first call, straight to
-    the compiled kernel's launcher, without ``JITFunction.run`` binding and specialising ~30
-    arguments (for a portable kernel ~36 µs a launch in benchmarks/host_launch.py's stand-in;
-    here per call: three descriptors, ``arg_classes`` and the lookup, ~25 µs on that machine). The
-    ``Launch`` is kept per (kernel, the caller's constexprs in its order, ``arg_classes``): no
-    sorted key per call."""
+class GluonLaunch:
+    """One launch of a Gluon kernel whose grid, constexprs, descriptor tiles and numbers (the
+    integer and float arguments, which follow the tensors in both kernels' signatures) are decided
+    for a call signature. ``launch(*tensors)`` takes the kernel's leading arguments: a tensor (the
+    base of a descriptor where ``blocks`` names its tile) or None each.
+
+    The first call makes the descriptors (``_kept_fields``: validated by Triton the first time a
+    (shape, strides, block, dtype) is seen) and finds the ``Launch`` by the argument classes
+    (``launch_of``); both are kept, so a later call, whose tensors must have the first call's
+    metadata (shapes, strides, dtypes, which are None: the prepared launches' callers vouch for it),
+    only copies the kept descriptor fields with its own tensors as bases (~0.35 µs each on the 2-core
+    CPU machine, against ~1 for a lookup by shape and 5 for ``arg_classes`` of the forward's 30
+    arguments). The launchers of single calls (``hopper_attn_fwd``, ``hopper_attn_bwd``) make one
+    per call: the work the first call does is what every call did before."""
+
+    __slots__ = ("kernel", "grid", "constexprs", "blocks", "numbers", "kept", "launch")
+
+    def __init__(self, kernel, grid: tuple[int, int, int], constexprs: dict, blocks: tuple, numbers: tuple):
+        self.kernel, self.grid, self.constexprs, self.blocks, self.numbers = kernel, grid, constexprs, blocks, numbers
+        self.kept, self.launch = (), None
+
+    def __call__(self, *tensors) -> None:
+        launch = self.launch
+        if launch is None:  # (position, kept fields) of each descriptor
+            self.kept = tuple((i, _kept_fields(tensors[i], block)) for i, block in enumerate(self.blocks)
+                              if block is not None)
+        args = [*tensors, *self.numbers]
+        for i, kept in self.kept:
+            args[i] = _rebase(kept, args[i])
+        if launch is None:
+            launch = self.launch = launch_of(self.kernel, args, self.constexprs)
+        launch(self.grid, *args)
+
+
+def launch_of(kernel, args: tuple, constexprs: dict):
+    """The ``_launch.Launch`` of Gluon ``kernel`` (one consumer warpgroup per default partition,
+    the register split of this module) for a call with these arguments: after a shape class's
+    first call, straight to the compiled kernel's launcher, without ``JITFunction.run`` binding and
+    specialising ~30 arguments (for a portable kernel ~36 µs a launch in benchmarks/host_launch.py's
+    stand-in). Kept per (kernel, the caller's constexprs in its order, ``arg_classes``): no sorted
+    key per call."""
     classes = arg_classes(kernel, args)
     key = (kernel, tuple(constexprs.items()), classes)  # the caller's constexprs in its own order
     launch = _GLUON_LAUNCHES.get(key)
@@ -195,20 +274,20 @@ def launch_gluon(kernel, grid: tuple[int, int, int], args: tuple, constexprs: di
         launch = _GLUON_LAUNCHES[key] = launch_for(
             kernel, dict(constexprs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4),
             {"maxnreg": MAXNREG}, classes)
-    launch(grid, *args)
+    return launch
 
 
-_GLUON_LAUNCHES: dict = {}  # launch_gluon's (kernel, constexprs, classes) -> launch_for's Launch
+_GLUON_LAUNCHES: dict = {}  # launch_of's (kernel, constexprs, classes) -> launch_for's Launch
 
 
-def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
-    """A TMA descriptor of ``t`` read in tiles of ``block`` (NVMMA shared layout).
+def _kept_fields(t: torch.Tensor, block: tuple[int, ...]) -> tuple:
+    """(descriptor class, fields with a None base) of a TMA descriptor of ``t`` read in tiles of
+    ``block`` (NVMMA shared layout), for ``_rebase``.
 
-    Triton's constructor validates it (rank, block shape, dtype, strides, base alignment: ~2.5 µs
-    on the 2-core CPU machine, and a launch makes 3 to 8). All but the base's alignment depend only
-    on (shape, strides, block, dtype): the fields of the first validated descriptor of those are
-    kept (``_DESCRIPTOR_FIELDS``, without its base), and a later one is a copy of them with ``t`` as
-    its base, whose alignment is asserted as the constructor does (~0.9 µs)."""
+    Triton's constructor validates a descriptor (rank, block shape, dtype, strides, base alignment:
+    ~2.5 µs on the 2-core CPU machine, and a launch makes 3 to 8). All but the base's alignment
+    depend only on (shape, strides, block, dtype): the fields of the first validated descriptor of
+    those are kept (``_DESCRIPTOR_FIELDS``, its base left out: the first tensor is not kept alive)."""
     key = (t.shape, t.stride(), block, t.dtype)
     kept = _DESCRIPTOR_FIELDS.get(key)
     if kept is None:
@@ -217,17 +296,23 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
         desc = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
         if len(_DESCRIPTOR_FIELDS) >= _MAX_DESCRIPTORS:
             _DESCRIPTOR_FIELDS.clear()
-        _DESCRIPTOR_FIELDS[key] = (type(desc), {name: value for name, value in vars(desc).items() if name != "base"})
-        return desc
+        kept = _DESCRIPTOR_FIELDS[key] = (type(desc), dict(vars(desc), base=None))  # the constructor's field order
+    return kept
+
+
+def _rebase(kept: tuple, t: torch.Tensor):
+    """A descriptor with ``kept``'s fields (``_kept_fields``) and ``t`` as its base, whose alignment
+    is asserted as Triton's constructor does."""
     cls, fields = kept
     assert t.data_ptr() % 16 == 0, "base must be 16-byte aligned"
     desc = object.__new__(cls)
-    desc.__dict__.update(fields)
-    desc.base = t
+    fields = fields.copy()
+    fields["base"] = t
+    desc.__dict__ = fields
     return desc
 
 
-_DESCRIPTOR_FIELDS: dict = {}  # (shape, strides, block, dtype) -> (descriptor class, its fields but the base)
+_DESCRIPTOR_FIELDS: dict = {}  # (shape, strides, block, dtype) -> (descriptor class, its fields, base None)
 _MAX_DESCRIPTORS = 1024  # kept field sets; all are dropped when full (shapes that do not come back)
 
 
@@ -235,35 +320,59 @@ def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None,
                     max_seqlen_q: int = 0, max_seqlen_k: int = 0, learnable_sink=None) -> None:
     """Forward into ``out``/``lse`` (dense, or packed with ``cu_seqlens_q/k``; ``learnable_sink``
     fp32 (nheads,) or None); the call must have passed ``hopper_fwd_reason``."""
-    varlen = cu_seqlens_q is not None
-    if varlen:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
-        batch = cu_seqlens_q.shape[0] - 1
-        seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]
-        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        o_strides = (0, out.stride(0), out.stride(1), 0)
-        l_strides = (0, lse.stride(0), lse.stride(1), 0)
-    else:
-        batch, seqlen_q = q.shape[:2]
-        seqlen_k = k.shape[1]
-        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
-        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
-    block_n, stages = HOPPER_TILES[q.shape[3]]
-    works = cdiv(seqlen_q, BLOCK_M) * batch * q.shape[2]
-    if varlen or params.window_left >= 0 or params.window_right >= 0:
-        # Items of unequal cost (causal diagonal, windows, packed lengths): one program per item,
-        # so the hardware's block scheduler balances them. A static round-robin over one program
-        # per SM in the order of one (sequence, head) pair at a time measured 435 against 625
-        # TFLOP/s at hdim 128, causal, 16k; over the grouped order (_order_group) with large
-        # groups it balances: dense causal calls with groups of PERSISTENT_MIN_GROUP or more
-        # pairs run persistent (docs/perf-notes.md, 2026-12-01 05:29).
-        group = _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
-        dense_causal = not varlen and params.window_left < 0 and params.window_right == 0
-        programs = min(works, _sms(q)) if dense_causal and group >= PERSISTENT_MIN_GROUP else works
-    else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
-        programs, group = min(works, _sms(q)), 1
-    _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
-                learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, group=group)
+    HopperFwd(params, max_seqlen_q, max_seqlen_k)(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k)
+
+
+class HopperFwd:
+    """``hopper_attn_fwd`` with its options bound: ``fwd(q, k, v, out, lse, learnable_sink,
+    cu_seqlens_q, cu_seqlens_k)``. Its launch (``GluonLaunch``) is worked out from the first call's
+    metadata and kept: a prepared forward (``gpu/prepared.py``) keeps one for every call of its
+    signature, whose calls must have passed ``fwd_signature_reason`` once and ``call_reason`` each."""
+
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "launch")
+
+    def __init__(self, params: AttnParams, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+        self.params, self.max_seqlen_q, self.max_seqlen_k, self.launch = params, max_seqlen_q, max_seqlen_k, None
+
+    def __call__(self, q, k, v, out, lse, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+        if cu_seqlens_q is not None:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        launch = self.launch
+        if launch is None:
+            launch = self.launch = self._launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q)
+        launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, None, None)
+
+    def _launch(self, q, k, v, out, lse, learnable_sink, cu_seqlens_q) -> GluonLaunch:
+        """The launch of calls like this one (q, k, v 4-D: packed ones unsqueezed)."""
+        params = self.params
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            batch = cu_seqlens_q.shape[0] - 1
+            seqlen_q = self.max_seqlen_q if self.max_seqlen_q > 0 else q.shape[1]
+            seqlen_k = self.max_seqlen_k if self.max_seqlen_k > 0 else k.shape[1]
+            o_strides = (0, out.stride(0), out.stride(1), 0)
+            l_strides = (0, lse.stride(0), lse.stride(1), 0)
+        else:
+            batch, seqlen_q = q.shape[:2]
+            seqlen_k = k.shape[1]
+            o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+            l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
+        block_n, stages = HOPPER_TILES[q.shape[3]]
+        works = cdiv(seqlen_q, BLOCK_M) * batch * q.shape[2]
+        if varlen or params.window_left >= 0 or params.window_right >= 0:
+            # Items of unequal cost (causal diagonal, windows, packed lengths): one program per item,
+            # so the hardware's block scheduler balances them. A static round-robin over one program
+            # per SM in the order of one (sequence, head) pair at a time measured 435 against 625
+            # TFLOP/s at hdim 128, causal, 16k; over the grouped order (_order_group) with large
+            # groups it balances: dense causal calls with groups of PERSISTENT_MIN_GROUP or more
+            # pairs run persistent (docs/perf-notes.md, 2026-12-01 05:29).
+            group = _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
+            dense_causal = not varlen and params.window_left < 0 and params.window_right == 0
+            programs = min(works, _sms(q)) if dense_causal and group >= PERSISTENT_MIN_GROUP else works
+        else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
+            programs, group = min(works, _sms(q)), 1
+        return _fwd_launch(q, k, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
+                           learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, group=group)
 
 
 def _order_group(k, v, seqlen_k: int, nheads: int, pairs: int) -> int:
@@ -280,33 +389,30 @@ def _sms(q) -> int:
     return _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
 
 
-def _launch_fwd(q, k, v, out, lse, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs,
-                block_n, stages, *, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-                block_table=None, qpack=1, num_splits=1, tiles_per_split=2**30, group=1) -> None:
-    """The one launch of the Gluon forward: descriptors, integer arguments, flags. q, k, v are 4-D
-    (batch, seqlen, heads, dim), k and v the pool (num_blocks, page, heads_k, dim) with
-    ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split) and (batch,
-    head, seqlen, split) of ``out``/``lse``."""
+def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs, block_n, stages,
+                *, learnable_sink=None, cu_seqlens_q=None, seqused_k=None, block_table=None, qpack=1, num_splits=1,
+                tiles_per_split=2**30, group=1) -> GluonLaunch:
+    """The one launch of the Gluon forward: descriptor tiles, integer arguments, flags, for calls
+    whose tensors are like these (the optional ones read only for their presence and the block
+    table's layout). q and k are 4-D (batch, seqlen, heads, dim), k the pool (num_blocks, page,
+    heads_k, dim) with ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split)
+    and (batch, head, seqlen, split) of the output and lse. The launch takes (q, or with ``qpack`` its
+    5-D view (B, S, H_k, qpack, D), k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+    seqused_k, block_table)."""
     from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
 
     nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
-    if qpack > 1:  # rows (query, head of the KV head's group): a 5-D view (B, S, H_k, qpack, D)
-        q5 = q.unflatten(2, (nheads // qpack, qpack))
-        q_desc = _descriptor(q5, (1, ROWS_WG // qpack, 1, qpack, head_dim))
-    else:
-        q_desc = _descriptor(q, (1, ROWS_WG, 1, head_dim))
+    # rows with qpack: (query, head of the KV head's group)
+    q_block = (1, ROWS_WG // qpack, 1, qpack, head_dim) if qpack > 1 else (1, ROWS_WG, 1, head_dim)
     page = k.shape[1] if block_table is not None else 0
-    kv_rows = min(page, block_n) if page else block_n
-    k_desc = _descriptor(k, (1, kv_rows, 1, head_dim))
-    v_desc = _descriptor(v, (1, kv_rows, 1, head_dim))
+    kv_block = (1, min(page, block_n) if page else block_n, 1, head_dim)
     table = (block_table.stride(0), block_table.shape[1]) if block_table is not None else (0, 0)
-    args = (q_desc, k_desc, v_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-            *o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group,
-            params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
-    launch_gluon(_attn_fwd_hopper_kernel, (programs, 1, 1), args, dict(
+    numbers = (*o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group,
+               params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
+    return GluonLaunch(_attn_fwd_hopper_kernel, (programs, 1, 1), dict(
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
-        PAGE=page, BLOCK_N=block_n, STAGES=stages))
+        PAGE=page, BLOCK_N=block_n, STAGES=stages), (q_block, kv_block, kv_block) + (None,) * 7, numbers)
 
 
 def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table, seqused_k) -> str | None:
@@ -316,7 +422,7 @@ def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table,
         return "not one sequence over a paged pool"
     if params.window_left >= 0 or params.window_right >= 0:
         return "masked"
-    why = _operands_reason(q, k_cache, v_cache)
+    why = device_reason(q) or _operands_reason(q, k_cache, v_cache)
     if why is not None:
         return why
     block_n, page = HOPPER_TILES[q.shape[-1]][0], k_cache.shape[1]
@@ -324,7 +430,7 @@ def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table,
         return f"pages of {page} keys"
     if ROWS_WG % (q.shape[2] // k_cache.shape[2]):
         return "query heads per KV head do not divide 64"
-    return options_reason(params, None) or _aligned_reason(q, k_cache, v_cache)
+    return options_reason(params, None) or _strides_reason(q, k_cache, v_cache) or _pointers_reason(q, k_cache, v_cache)
 
 
 def hopper_partials_splits(q, k_cache, max_seqlen_k: int) -> int:
@@ -367,6 +473,8 @@ def hopper_attn_partials(q, k_cache, v_cache, o_parts, lse_parts, *, params: Att
     items = _partials_items(q, k_cache) * splits
     o_strides = (o_parts.stride(1), o_parts.stride(2), o_parts.stride(3), o_parts.stride(0))
     l_strides = (lse_parts.stride(1), lse_parts.stride(2), lse_parts.stride(3), lse_parts.stride(0))
-    _launch_fwd(q, k_cache, v_cache, o_parts, lse_parts, o_strides, l_strides, params, 1, rows, max_seqlen_k,
-                min(items, _sms(q)), block_n, stages, seqused_k=seqused_k, block_table=block_table,
-                qpack=qpack, num_splits=splits, tiles_per_split=tiles_per_split)
+    launch = _fwd_launch(q, k_cache, o_strides, l_strides, params, 1, rows, max_seqlen_k, min(items, _sms(q)),
+                         block_n, stages, seqused_k=seqused_k, block_table=block_table, qpack=qpack, num_splits=splits,
+                         tiles_per_split=tiles_per_split)
+    q_rows = q.unflatten(2, (nheads // qpack, qpack)) if qpack > 1 else q
+    launch(q_rows, k_cache, v_cache, o_parts, lse_parts, None, None, None, seqused_k, block_table)

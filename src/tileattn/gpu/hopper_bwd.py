@@ -2,7 +2,10 @@
 
 ``attn_bwd`` of ``gpu/backward.py`` runs the portable preprocess (delta, lse2) and then, when
 ``hopper_bwd_reason`` is None, these launches instead of the portable dK/dV and dQ kernels. On
-by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off.
+by default on sm_90, like the Gluon forward; ``TILEATTN_HOPPER=0`` turns both off. A prepared
+backward (``backward.PreparedBwd``) asks the rule's part its signature fixes once
+(``bwd_signature_reason``), the rest per call (``hopper.call_reason``), and keeps its launches
+(``HopperBwd``).
 
 One kernel, one program per block of 128 resident rows (two consumer warpgroups of 64 rows and
 one producer warp), launched twice:
@@ -38,9 +41,10 @@ import torch
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
 from ._launch import cdiv
-from .hopper import _descriptor, _tma_ok, device_reason, launch_gluon, options_reason, short_call
+from .hopper import (GluonLaunch, _pointers_reason, _strides_reason, device_kind_reason, device_reason, options_reason,
+                     short_call)
 
-__all__ = ["hopper_bwd_reason", "hopper_attn_bwd", "HOPPER_BWD_TILES"]
+__all__ = ["hopper_bwd_reason", "bwd_signature_reason", "hopper_attn_bwd", "HopperBwd", "HOPPER_BWD_TILES"]
 
 # (kind, head_dim) -> (column tile, STAGES)
 HOPPER_BWD_TILES = {("dkdv", 64): (128, 2), ("dkdv", 128): (64, 2), ("dq", 64): (128, 3), ("dq", 128): (64, 3),
@@ -60,14 +64,29 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
     """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
     (one short phrase). dlse and learnable sinks only change the preprocess, which both paths
     share; ``deterministic`` needs nothing (no atomics, one tile configuration). The shape
-    rule comes first, as the forward's."""
+    rule comes first, as the forward's. All but the environment (``hopper.switch_reason``) and the
+    data pointers' alignment are fixed by the call's signature: ``bwd_signature_reason`` asks them
+    once, ``hopper.call_reason(q, k, v, dout)`` the rest."""
+    return (_bwd_shape_reason(q, params, varlen, max_seqlen_q) or device_reason(q)
+            or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen)
+            or _pointers_reason(q, k, v, dout))
+
+
+def bwd_signature_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
+                         varlen: bool = False, max_seqlen_q: int = 0) -> str | None:
+    """The part of ``hopper_bwd_reason`` that every call with these tensors' metadata and these
+    options answers alike."""
+    return (_bwd_shape_reason(q, params, varlen, max_seqlen_q) or device_kind_reason(q)
+            or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen))
+
+
+def _bwd_shape_reason(q, params: AttnParams, varlen: bool, max_seqlen_q: int) -> str | None:
+    return short_call(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[0 if varlen else 1],
+                      "bwd")
+
+
+def _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, alibi_slopes, varlen: bool) -> str | None:
     seq_dim = 0 if varlen else 1
-    short = short_call(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[seq_dim], "bwd")
-    if short is not None:
-        return short
-    why = device_reason(q)
-    if why is not None:
-        return why
     # the gradients may also be fp32 (the ring's accumulators): stored unrounded
     if (q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dout))
             or any(t.dtype not in (q.dtype, torch.float32) for t in (dq, dk, dv))):
@@ -76,12 +95,7 @@ def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_sl
         return f"head dim {q.shape[-1]} / {v.shape[-1]}"
     if q.shape[0] == 0 or q.shape[seq_dim] == 0 or k.shape[seq_dim] == 0:
         return "empty batch, queries or keys"
-    why = options_reason(params, alibi_slopes)
-    if why is not None:
-        return why
-    if not all(_tma_ok(t) for t in (q, k, v, dout)):
-        return "strides not 16-byte aligned"
-    return None
+    return options_reason(params, alibi_slopes) or _strides_reason(q, k, v, dout)
 
 
 def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParams, cu_seqlens_q=None,
@@ -95,53 +109,86 @@ def hopper_attn_bwd(dout, q, k, v, dq, dk, dv, lse2, delta, *, params: AttnParam
     (5 matrix products per tile; the order of the additions varies from run to run), then dq =
     the workspace rounded. Otherwise two launches, dK/dV then dQ (7 products, bitwise
     reproducible)."""
-    from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
+    HopperBwd(params, max_seqlen_q, max_seqlen_k, deterministic)(dout, q, k, v, dq, dk, dv, lse2, delta,
+                                                                 cu_seqlens_q, cu_seqlens_k)
 
-    varlen = cu_seqlens_q is not None
-    if varlen:  # packed (T, H, D) tensors seen as batch 1 by the descriptors
-        batch = cu_seqlens_q.shape[0] - 1
-        seqlen_q = max_seqlen_q if max_seqlen_q > 0 else q.shape[0]
-        seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
-        q, k, v, dout = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dout.unsqueeze(0)
-        dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
-        w_strides = (0, lse2.stride(0))
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        w_strides = (lse2.stride(0), lse2.stride(1))
-    assert lse2.stride(-1) == 1 and delta.stride() == lse2.stride()
-    nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
-    group = nheads // nheads_k
-    left, right = params.window_left, params.window_right
-    scale = float(params.softmax_scale)
-    common = dict(GROUP=group, IS_VARLEN=varlen)
-    rows = (1, ROWS_WG, 1, head_dim)
 
-    def strides(t):  # (batch, row, head) strides of an output; packed outputs are one batch
-        return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
+class HopperBwd:
+    """``hopper_attn_bwd`` with its options bound: ``bwd(dout, q, k, v, dq, dk, dv, lse2, delta,
+    cu_seqlens_q, cu_seqlens_k)``. Its launches (``hopper.GluonLaunch``) are worked out from the
+    first call's metadata and kept: a prepared backward (``backward.PreparedBwd``) keeps one for
+    every call of its signature that takes the Gluon kernels."""
 
-    # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
-    reduce = not deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES and seqlen_q >= REDUCE_MIN_ROWS
-    cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
-    dq_desc = None
-    if reduce:  # the (tokens, heads x head_dim) fp32 matrix the reductions add to; each warpgroup reduces
-        # half of a tile's dQ: half the columns at head dim 128, half the query rows at 64
-        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        dq_block = (cols, head_dim // 2) if head_dim >= 128 else (cols // 2, head_dim)
-        dq_desc = _descriptor(dq_acc.view(-1, nheads * head_dim), dq_block)
-    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch), (
-        _descriptor(k, rows), _descriptor(v, rows), _descriptor(q, (1, cols, 1, head_dim)),
-        _descriptor(dout, (1, cols, 1, head_dim)), dq_desc, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q,
-        *strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value,
-        right, left), dict(COL_PASSES=group, DKDV=True, DQ_REDUCE=reduce, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0,
-                           STAGES=stages, **common))
-    if reduce:  # the kernel scaled each share: the workspace only needs rounding to dq's dtype
-        dq.copy_(dq_acc)
-        return
-    # dQ: rows = queries, columns = keys
-    cols, stages = HOPPER_BWD_TILES["dq", head_dim]
-    launch_gluon(_attn_bwd_hopper_kernel, (cdiv(seqlen_q, 2 * ROWS_WG), nheads, batch), (
-        _descriptor(q, rows), _descriptor(dout, rows), _descriptor(k, (1, cols, 1, head_dim)),
-        _descriptor(v, (1, cols, 1, head_dim)), None, dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k,
-        *strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value,
-        left, right), dict(COL_PASSES=1, DKDV=False, DQ_REDUCE=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0,
-                           STAGES=stages, **common))
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "deterministic", "launches")
+
+    def __init__(self, params: AttnParams, max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
+        self.params, self.max_seqlen_q, self.max_seqlen_k = params, max_seqlen_q, max_seqlen_k
+        self.deterministic, self.launches = deterministic, None
+
+    def __call__(self, dout, q, k, v, dq, dk, dv, lse2, delta, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+        if cu_seqlens_q is not None:  # packed (T, H, D) tensors seen as batch 1 by the descriptors
+            q, k, v, dout = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dout.unsqueeze(0)
+            dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+        launches = self.launches
+        if launches is None:
+            launches = self.launches = self._launches(dq, dk, dv, lse2, delta, q, k, cu_seqlens_q)
+        dkdv, dq_launch = launches
+        if dq_launch is None:  # dQ by reductions into the (tokens, heads x head_dim) fp32 workspace
+            dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+            dkdv(k, v, q, dout, dq_acc.view(-1, q.shape[2] * q.shape[3]), dk, dv, lse2, delta, cu_seqlens_k,
+                 cu_seqlens_q)
+            dq.copy_(dq_acc)  # the kernel scaled each share: the workspace only needs rounding to dq's dtype
+            return
+        dkdv(k, v, q, dout, None, dk, dv, lse2, delta, cu_seqlens_k, cu_seqlens_q)
+        dq_launch(q, dout, k, v, None, dq, None, lse2, delta, cu_seqlens_q, cu_seqlens_k)
+
+    def _launches(self, dq, dk, dv, lse2, delta, q, k, cu_seqlens_q) -> tuple:
+        """(dK/dV's launch, dQ's or None: dQ by reductions) of calls like this one (4-D tensors:
+        packed ones unsqueezed)."""
+        from ..kernels.attn_bwd_hopper import _attn_bwd_hopper_kernel
+
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            batch = cu_seqlens_q.shape[0] - 1
+            seqlen_q = self.max_seqlen_q if self.max_seqlen_q > 0 else q.shape[1]
+            seqlen_k = self.max_seqlen_k if self.max_seqlen_k > 0 else k.shape[1]
+            w_strides = (0, lse2.stride(0))
+        else:
+            batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+            w_strides = (lse2.stride(0), lse2.stride(1))
+        assert lse2.stride(-1) == 1 and delta.stride() == lse2.stride()
+        nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
+        group = nheads // nheads_k
+        left, right = self.params.window_left, self.params.window_right
+        scale = float(self.params.softmax_scale)
+        common = dict(GROUP=group, IS_VARLEN=varlen)
+        rows = (1, ROWS_WG, 1, head_dim)
+
+        def strides(t):  # (batch, row, head) strides of an output; packed outputs are one batch
+            return (0 if varlen else t.stride(0), t.stride(1), t.stride(2))
+
+        # dK/dV, transposed: rows = keys, columns = queries; (left, right) and the lengths swap
+        reduce = not self.deterministic and ("dkdv+dq", head_dim) in HOPPER_BWD_TILES and seqlen_q >= REDUCE_MIN_ROWS
+        cols, stages = HOPPER_BWD_TILES["dkdv+dq" if reduce else "dkdv", head_dim]
+        # with reductions each warpgroup adds half of a tile's dQ to the workspace: half the columns at
+        # head dim 128, half the query rows at 64
+        dq_block = None
+        if reduce:
+            dq_block = (cols, head_dim // 2) if head_dim >= 128 else (cols // 2, head_dim)
+        dkdv = GluonLaunch(
+            _attn_bwd_hopper_kernel, (cdiv(seqlen_k, 2 * ROWS_WG), nheads_k, batch),
+            dict(COL_PASSES=group, DKDV=True, DQ_REDUCE=reduce, MASK_LEFT=right >= 0, MASK_RIGHT=left >= 0,
+                 STAGES=stages, **common),
+            (rows, rows, (1, cols, 1, head_dim), (1, cols, 1, head_dim), dq_block) + (None,) * 6,
+            (*strides(dk), *strides(dv), *w_strides, seqlen_k, seqlen_q, scale, scale * LOG2E.value, right, left))
+        if reduce:
+            return dkdv, None
+        # dQ: rows = queries, columns = keys
+        cols, stages = HOPPER_BWD_TILES["dq", head_dim]
+        dq_launch = GluonLaunch(
+            _attn_bwd_hopper_kernel, (cdiv(seqlen_q, 2 * ROWS_WG), nheads, batch),
+            dict(COL_PASSES=1, DKDV=False, DQ_REDUCE=False, MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0,
+                 STAGES=stages, **common),
+            (rows, rows, (1, cols, 1, head_dim), (1, cols, 1, head_dim)) + (None,) * 7,
+            (*strides(dq), 0, 0, 0, *w_strides, seqlen_q, seqlen_k, scale, scale * LOG2E.value, left, right))
+        return dkdv, dq_launch

@@ -7,14 +7,16 @@ calls all share shapes, strides, dtypes, device, options and which optional tens
 to call: ``prepare_fwd`` works the rest out once and returns the launch with only the tensors
 left to pass.
 
-The Hopper rule (``hopper_fwd_reason``) declines some calls by their shapes alone (a KV cache, an
-explicit split count, fewer than ``MIN_SEQLEN_Q`` query rows): their launch never asks it. For
-the others (prefill shapes) the rest of the rule reads the environment and the pointers'
-alignment, so the launch asks it on every call, as ``attn_fwd`` would, and hands a call it
-accepts to ``hopper_attn_fwd``; the portable plan serves the calls it declines (through
-``attn_fwd`` while that plan still has a tile to tune: its first such call tunes it). Calls with
-dropout (whose seed changes every call) get no launch. ``clear_plans`` (new tile constants)
-sends every prepared launch back to ``attn_fwd``.
+The Hopper rule (``hopper_fwd_reason``) is asked in two parts. What the signature fixes (a KV
+cache, an explicit split count, fewer than ``MIN_SEQLEN_Q`` query rows, short calls, dtypes, head
+dims, strides, options: ``fwd_signature_reason``) once, here; where that says yes (prefill shapes),
+the rest, which reads the environment and the pointers' alignment (``call_reason``), on every call,
+as ``attn_fwd`` would, and a call it accepts goes to the signature's Gluon launch (``HopperFwd``:
+grid, integer arguments, descriptor fields and argument classes kept from its first call); the
+portable plan serves the calls it declines (through ``attn_fwd`` while that plan still has a tile
+to tune: its first such call tunes it). Calls with dropout (whose seed changes every call) get no
+launch. ``clear_plans`` (new tile constants) sends every prepared portable launch back to
+``attn_fwd``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from . import attention as A
 from ._launch import contiguous_strides
-from .hopper import MIN_SEQLEN_Q, hopper_attn_fwd, hopper_fwd_reason
+from .hopper import MIN_SEQLEN_Q, HopperFwd, call_reason, fwd_signature_reason
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
 
@@ -43,22 +45,26 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
         return None
     # out like q when q is contiguous and as wide as v (torch.empty_like: no shape to parse)
     out_like_q = out.shape == q.shape and q.stride() == contiguous_strides(q.shape)
+    hopper = fwd_signature_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=False,
+                                  paged=block_table is not None, seqused_k=seqused_k, num_splits=num_splits,
+                                  max_seqlen_q=max_seqlen_q) is None
     return PreparedFwd(plan, (*plan.call_ints(k, v), *A.scalar_args(params, q.shape[-2])),
                        dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=num_splits),
-                       (tuple(out.shape), tuple(lse.shape), lse.dtype), hopper=not by_shape, out_like_q=out_like_q)
+                       (tuple(out.shape), tuple(lse.shape), lse.dtype),
+                       HopperFwd(params, max_seqlen_q, max_seqlen_k) if hopper else None, out_like_q)
 
 
 class PreparedFwd:
     """``prepare_fwd``'s launch: ``prepared(q, k, v, alibi_slopes, learnable_sink, seqused_k,
     block_table, k_descale, v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, does
-    into them what ``attn_fwd`` with the prepared options does (with ``hopper``: the Hopper
-    kernel when its rule takes the call; else split partials in a fresh workspace, then their
-    merge) and returns them. ``calls`` counts its calls."""
+    into them what ``attn_fwd`` with the prepared options does (with ``hopper``, the signature's
+    ``HopperFwd``: the Hopper kernel when the call's part of its rule takes the call; else split
+    partials in a fresh workspace, then their merge) and returns them. ``calls`` counts its calls."""
 
     __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "hopper", "out_like_q", "generation",
                  "calls")
 
-    def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple, hopper: bool = False,
+    def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple, hopper: HopperFwd | None = None,
                  out_like_q: bool = False):
         self.plan, self.tail, self.options, self.generation, self.calls = plan, tail, options, A.generation, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
@@ -68,15 +74,11 @@ class PreparedFwd:
         out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         self.calls += 1
+        hopper = self.hopper
+        if hopper is not None and call_reason(q, k, v) is None:  # as attn_fwd asks hopper_fwd_reason (dense, unsplit)
+            hopper(q, k, v, out, lse, learnable_sink)
+            return out, lse
         plan = self.plan
-        if self.hopper:  # as attn_fwd asks it (dense, unsplit)
-            options = self.options
-            if hopper_fwd_reason(q, k, v, options["params"], alibi_slopes=alibi_slopes, varlen=False, paged=False,
-                                 seqused_k=None, num_splits=options["num_splits"],
-                                 max_seqlen_q=options["max_seqlen_q"]) is None:
-                hopper_attn_fwd(q, k, v, out, lse, params=options["params"], max_seqlen_q=options["max_seqlen_q"],
-                                max_seqlen_k=options["max_seqlen_k"], learnable_sink=learnable_sink)
-                return out, lse
         if self.generation != A.generation or plan.fwd is None:  # plans forgotten (stale tiles), or a tile to tune
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
