@@ -78,6 +78,69 @@ def test_second_call_launches_the_kept_kernel_directly(jit):
     assert jit.fast[1][:3] == (3, 1, 1) and jit.fast[1][9:11] == (y.data_ptr(), x.data_ptr())
 
 
+class _DescCompiled(CompiledKernel):
+    """A compiled kernel with two TMA descriptor arguments whose launcher is Triton's own
+    ``CudaLauncher`` over a recording C launcher (descriptor metadata as the compiler writes it)."""
+
+    SIGNATURE = {"X": "*bf16", "D1": "tensordesc<bf16[64, 64]>", "n": "i32", "D2": "tensordesc<fp16[32, 64]>",
+                 "BLOCK": "constexpr"}
+    META = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False),
+            dict(swizzle=2, elem_size=2, elem_type=6, block_size=[32, 64], fp4_padded=False)]
+
+    def __init__(self, log):
+        from types import SimpleNamespace
+
+        from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+        self.function, self.packed_metadata, self.module = "fn", "meta", "mod"
+        self.metadata = SimpleNamespace(tensordesc_meta=self.META)
+        run = CudaLauncher.__new__(CudaLauncher)
+        run.launch = wrap_handle_tensordesc(lambda *a: log.append(a), self.SIGNATURE, self.META)
+        run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+        self._run = run
+
+
+def test_descriptor_kernels_hand_the_c_launcher_what_tritons_wrapper_would(jit, monkeypatch):
+    """A kernel with TMA descriptors: the direct launch encodes each descriptor (CUtensorMap,
+    shape, strides) at its position and calls the C launcher with exactly the arguments Triton's
+    wrapper (``compiled.run``) gives it for the same call."""
+    from types import SimpleNamespace
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime import driver
+
+    from tileattn.gpu import hopper
+
+    def fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):  # the driver's encoder
+        return ("map", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(utils=SimpleNamespace(fill_tma_descriptor=fill)))
+    jit.params = [_Param("X"), _Param("D1"), _Param("n"), _Param("D2"), _Param("BLOCK", is_constexpr=True)]
+    log = []
+    compiled = _DescCompiled(log)
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: lambda *a, **m: self.slow.append(a) or compiled)
+
+    def descriptor(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), hopper._smem_layout(block, t.dtype))
+
+    launch = L.Launch(jit, {"BLOCK": 32}, {})
+    x = torch.zeros(64)
+    for step in range(3):
+        a = torch.randn(128, 64).to(torch.bfloat16)
+        b = torch.randn(96, 64).to(torch.float16)[:, :64]
+        args = (x, descriptor(a, (64, 64)), 7 + step, descriptor(b, (32, 64)))
+        launch((2, 3, 1), *args)
+        if step == 0:
+            assert len(jit.slow) == 1 and not log and launch.descs
+            continue
+        direct = log.pop()
+        compiled.run(2, 3, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), args[1], 7 + step, args[3], 32)
+        assert direct == log.pop() and direct[14] == ("map", a.data_ptr(), 3, 2, 9, (64, 64), (128, 64), (64, 1), False)
+    assert launch.fast_calls == 2 and len(jit.slow) == 1
+
+
 def test_what_the_fast_path_cannot_vouch_for_goes_through_triton(jit, monkeypatch):
     launch = L.Launch(jit, {"BLOCK": 16}, {})
     buf = torch.zeros(64)

@@ -19,6 +19,13 @@ call to call must be ones the kernel does not specialise (``do_not_specialize``)
 unspecialised integers, the current device, and that no profiler hook is installed
 (``knobs.runtime.launch_enter_hook``). Anything else goes through Triton as before. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel and every call takes Triton's path.
+
+A kernel that takes TMA descriptors (the Gluon kernels) has a Python wrapper between
+``compiled.run`` and the C launcher: for every call it allocates no scratch (these kernels need
+none) and walks all ~40 arguments to replace each descriptor by its CUtensorMap, shape and
+strides (``make_tensordesc_arg``). A ``Launch`` of such a kernel does that replacement itself from
+the descriptor metadata the compiled kernel carries, at the descriptors' known positions, and calls
+the C launcher (the wrapper's ``launcher``) with the same arguments the wrapper would give it.
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ class Launch:
     """
 
     __slots__ = ("fn", "constexprs", "options", "compiled", "device", "tail", "ptr_slots", "wide_slots",
-                 "fast_calls")
+                 "descs", "direct", "fast_calls")
 
     def __init__(self, fn, constexprs: dict, options: dict):
         self.fn = fn
@@ -155,6 +162,8 @@ class Launch:
         self.tail: tuple = ()
         self.ptr_slots: tuple[int, ...] = ()
         self.wide_slots: tuple[int, ...] = ()
+        self.descs: tuple = ()  # (position, swizzle, element size, element type, block) per TMA descriptor
+        self.direct: tuple = ()  # (C launcher, fill_tma_descriptor, its fixed flags) when there are descriptors
         self.fast_calls = 0
 
     def __call__(self, grid: tuple[int, int, int], *args) -> None:
@@ -169,10 +178,23 @@ class Launch:
             for i in self.wide_slots:
                 if not _I32_MIN <= raw[i] <= _I32_MAX:
                     align = 1
+            descs = self.descs
+            for desc in descs:
+                align |= args[desc[0]].base.data_ptr()
             if not align & 15:
                 g0, g1, g2 = grid
-                compiled.run(g0, g1, g2, _current_stream(device), compiled.function, compiled.packed_metadata,
-                             None, None, None, *raw, *self.tail)
+                if descs:
+                    c_launch, fill, flags = self.direct
+                    for i, swizzle, elem_size, elem_type, block in reversed(descs):  # later positions first
+                        desc = args[i]
+                        shape, strides = desc.shape, desc.strides
+                        raw[i:i + 1] = (fill(desc.base.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
+                                             desc.padding == "nan"), *shape, *strides)
+                    c_launch(g0, g1, g2, _current_stream(device), compiled.function, *flags,
+                             compiled.packed_metadata, None, None, None, *raw, *self.tail)
+                else:
+                    compiled.run(g0, g1, g2, _current_stream(device), compiled.function, compiled.packed_metadata,
+                                 None, None, None, *raw, *self.tail)
                 self.fast_calls += 1
                 return
         self._through_triton(grid, args)
@@ -197,7 +219,38 @@ class Launch:
         if any(p.name not in self.constexprs for p in params[len(runtime):]):
             return
         compiled.run  # noqa: B018 (loads the module and function handles now, not in the fast path)
+        desc_slots = tuple(i for i, a in enumerate(args) if hasattr(a, "block_shape"))
+        direct = _direct_launcher(compiled, len(desc_slots)) if desc_slots else None
+        if direct is not None:  # else compiled.run's wrapper encodes the descriptors
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+            self.direct, meta = direct[:3], direct[3]
+            self.descs = tuple((i, m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
+                                m["block_size"]) for i, m in zip(desc_slots, meta))
         self.tail = tuple(self.constexprs[p.name] for p in params[len(runtime):])
         self.ptr_slots, self.wide_slots = ptr_slots, wide
         self.device = _current_device()
         self.compiled = compiled
+
+
+def _direct_launcher(compiled: CompiledKernel, descriptors: int):
+    """(C launcher, ``fill_tma_descriptor``, (cooperative grid, PDL, global scratch, profile
+    scratch), descriptor metadata) of a compiled kernel whose ``descriptors`` TMA descriptor
+    arguments its launcher encodes as CUtensorMaps, or None where it cannot be launched so (scratch
+    memory to allocate per call, descriptors passed as pointers, FP4 padding, a launcher of
+    another shape than Triton 3.6's): such a ``Launch`` calls ``compiled.run``."""
+    from triton.runtime import driver
+
+    run = compiled.run
+    meta = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+    wrapper = getattr(run, "launch", None)  # Triton's wrap_handle_tensordesc(launcher, ...)
+    closure = getattr(wrapper, "__closure__", None)
+    if not closure or not meta or len(meta) != descriptors:
+        return None
+    c_launch = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in closure))).get("launcher")
+    if (c_launch is None or any(m is None or m["fp4_padded"] for m in meta) or run.global_scratch_size
+            or run.profile_scratch_size):
+        return None
+    flags = (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    return c_launch, driver.active.utils.fill_tma_descriptor, flags, meta
+
