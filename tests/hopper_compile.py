@@ -342,7 +342,8 @@ def must_not_spill(fn, meta) -> bool:
 
 def hopper_cases():
     """The Gluon forward through its launcher: every head dim and 16-bit dtype, each mask flag,
-    dense and packed, GQA, learnable sinks."""
+    dense (the output through TMA copies at ``TMA_STORE_HEAD_DIMS``) and packed, GQA, learnable
+    sinks."""
     g = torch.Generator().manual_seed(2)
     cases = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -363,6 +364,16 @@ def hopper_cases():
                         f"{' sink' if 'learnable_sink' in kwargs else ''}")
                 cases.append((name, (q, k, v, torch.empty_like(q), lse), kwargs))
     return cases
+
+
+def hopper_tma_store_cases():
+    """The forward's output through TMA copies at head dim 128, which the launcher's rule leaves
+    out (``TMA_STORE_HEAD_DIMS``: it spills per work item) but a GPU comparison may turn on: it
+    must keep compiling, within shared memory and the stack limit."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 300, 8, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    return [(f"hopper d128 window (-1, {right}) TMA store", (q, k, v, torch.empty_like(q), torch.empty(2, 8, 300)),
+             dict(params=AttnParams(128**-0.5, -1, right))) for right in (-1, 0)]
 
 
 def hopper_partials_cases():
@@ -490,6 +501,16 @@ def main() -> int:
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
+    tma_dims = hopper_launcher.TMA_STORE_HEAD_DIMS
+    hopper_launcher.TMA_STORE_HEAD_DIMS = (*tma_dims, 128)
+    try:
+        for name, tensors, kwargs in hopper_tma_store_cases():
+            launches = record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper, "_attn_fwd_hopper_kernel",
+                                     *tensors, **kwargs)
+            assert all(launch[2]["TMA_STORE"] for launch in launches), f"{name}: the rule did not take the TMA store"
+            todo += [(name, *launch) for launch in launches]
+    finally:
+        hopper_launcher.TMA_STORE_HEAD_DIMS = tma_dims
     for name, tensors, kwargs in hopper_partials_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
@@ -511,7 +532,7 @@ def main() -> int:
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
     for name, fn, args, kwargs in todo:
-        tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg"))}
+        tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
             tile["BLOCK_C"] = args[2].block_shape[1]
         gluon = fn in (attn_fwd_hopper._attn_fwd_hopper_kernel, attn_bwd_hopper._attn_bwd_hopper_kernel)

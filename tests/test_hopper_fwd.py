@@ -279,3 +279,70 @@ def test_work_order_groups_only_short_keys():
     assert hopper._order_group(kv(2048, 16), kv(2048, 16), 2048, 16, 128) == 24  # 1 MB a head
     assert hopper._order_group(kv(16384, 16), kv(16384, 16), 16384, 16, 16) == 1  # 8 MB a head: groups of 3
     assert hopper._order_group(kv(8192, 4, 64), kv(8192, 4, 64), 8192, 32, 64) == 64  # GQA 8: heads share keys
+
+
+def _tma_store_taken(q, k, v, out, params) -> bool:
+    """Whether the launcher stores this call's output through TMA copies (``TMA_STORE``)."""
+    from tileattn.gpu.hopper import HopperFwd
+
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    return HopperFwd(params)._launch(q, k, v, out, lse, None, None).constexprs["TMA_STORE"]  # worked out, not run
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1000, 300])
+def test_hopper_tma_store_walks_many_items(monkeypatch, head_dim, causal, seqlen_q):
+    """The output through TMA copies (at head dim 128 turned on as a comparison would): 3 programs
+    walk 2 x 8 x 8 or 3 items each (persistent, causal too), so each warpgroup's staging tile is
+    written again once its last copy has read it; the rows past 1000 (or 300) are clipped. Equal to
+    the reference, and bitwise to the store from registers."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setattr(hopper, "_sms", lambda q: 3)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
+    gen = torch.Generator().manual_seed(seqlen_q + head_dim)
+    q = torch.randn(2, seqlen_q, 8, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    assert _tma_store_taken(q, q, q, torch.empty_like(q), AttnParams(head_dim**-0.5, -1, 0 if causal else -1))
+    out, lse = _run(seqlen_q + head_dim, 2, seqlen_q, seqlen_q, 8, 8, head_dim, torch.bfloat16, causal=causal)
+    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", ())
+    again, lse_again = _run(seqlen_q + head_dim, 2, seqlen_q, seqlen_q, 8, 8, head_dim, torch.bfloat16, causal=causal)
+    assert torch.equal(out, again) and torch.equal(lse, lse_again)
+
+
+@pytest.mark.parametrize("view", ["heads first", "narrower", "rows of a longer one", "unaligned"])
+def test_hopper_tma_store_into_views(view):
+    """``out`` as a view: a (B, H, S, D) buffer seen as (B, S, H, D), the first 64 of 72 columns,
+    rows 100-399 of 512 (TMA store, whose bounds are the view's: the buffer's other rows and
+    columns, NaN, stay NaN although the last block's rows run past the view), and a base 2 bytes
+    past alignment given to a kept launch that stores through TMA (this call from registers). Each
+    bitwise equal to a contiguous out."""
+    from tileattn.gpu.hopper import HopperFwd
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 300, 4, 64, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
+    params = AttnParams(0.125, -1, 0)
+    nan = float("nan")
+    buf = {"heads first": torch.full((2, 4, 300, 64), nan), "narrower": torch.full((2, 300, 4, 72), nan),
+           "rows of a longer one": torch.full((2, 512, 4, 64), nan),
+           "unaligned": torch.full((2 * 300 * 4 * 64 + 8,), nan)}[view].to(torch.bfloat16).cuda()
+    out = {"heads first": lambda: buf.transpose(1, 2), "narrower": lambda: buf[..., :64],
+           "rows of a longer one": lambda: buf[:, 100:400], "unaligned": lambda: buf[1:1 + q.numel()].view(q.shape)}[view]()
+    assert _tma_store_taken(q, k, v, out, params) and (out.data_ptr() % 16 != 0) == (view == "unaligned")
+    plain, lse = torch.full_like(q, nan), torch.full((2, 4, 300), nan, device="cuda")
+    if view == "unaligned":  # a kept launch: its first call through TMA, then one from registers
+        fwd = HopperFwd(params)
+        fwd(q, k, v, plain, lse)
+        fwd(q, k, v, out, lse.clone())
+        assert fwd.tma_store
+    else:
+        hopper_attn_fwd(q, k, v, plain, lse, params=params)
+        hopper_attn_fwd(q, k, v, out, lse.clone(), params=params)
+    torch.cuda.synchronize()
+    assert not plain.isnan().any() and torch.equal(out, plain)
+    if view == "narrower":
+        assert buf[..., 64:].isnan().all()
+    if view == "rows of a longer one":
+        assert buf[:, :100].isnan().all() and buf[:, 400:].isnan().all()

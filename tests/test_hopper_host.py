@@ -1,7 +1,8 @@
 """The Gluon launches' host side on a CPU (``tileattn.gpu.hopper``): the TMA descriptors kept per
 (shape, strides, block, dtype), the alignment rule, the launch kept per constexprs and argument
-classes, the launches a call signature keeps (``GluonLaunch``) and the Hopper rules asked in two
-parts (once per signature, the rest per call). The kernels' values are checked on the GPU
+classes, the launches a call signature keeps (``GluonLaunch``), the Hopper rules asked in two
+parts (once per signature, the rest per call) and which forward calls store their output through
+TMA copies (``TMA_STORE``, with a descriptor of ``out``). The kernels' values are checked on the GPU
 (tests/test_hopper_fwd.py, test_hopper_bwd.py)."""
 
 from __future__ import annotations
@@ -217,3 +218,145 @@ def test_rules_equal_their_two_parts(monkeypatch, switch):
         assert (whole is None) == (parts == (None, None)) and whole in (*parts, None), (whole, parts)
         yes["bwd"] += whole is None
     assert yes == ({"fwd": 4, "bwd": 4} if device is None else {"fwd": 0, "bwd": 0})
+
+
+@pytest.fixture
+def fwd_launches(monkeypatch):
+    """The forward's Gluon launches recorded instead of compiled: (constexprs, kernel arguments)
+    each, the descriptors as ``GluonLaunch`` makes them (kept fields, each call's bases)."""
+    launches = []
+    monkeypatch.setattr(hopper, "launch_of", lambda kernel, args, constexprs:
+                        lambda grid, *args: launches.append((constexprs, args)))
+    hopper._DESCRIPTOR_FIELDS.clear()
+    return launches
+
+
+def _dense(batch, seqlen, heads, head_dim, dtype=torch.bfloat16):
+    return tuple(torch.randn(batch, seqlen, heads, head_dim).to(dtype) for _ in range(3))
+
+
+def _assert_out_descriptor(args, out):
+    """The launch's output descriptor: over ``out`` itself (base, shape, strides: TMA then clips the
+    last block's rows at seqlen_q and writes nothing outside the view), in [1, 64, 1, D] tiles, with
+    the fields Triton's constructor gives it; the pointer argument is ``out`` too."""
+    desc, block = args[3], (1, hopper.ROWS_WG, 1, out.shape[-1])
+    assert type(desc) is TensorDescriptor and desc.base is out and args[4] is out
+    assert desc.shape == list(out.shape) and desc.strides == list(out.stride()) and desc.block_shape == list(block)
+    assert fields(desc) == fields(constructed(out, block))
+
+
+def test_tma_store_head_dims():
+    """hdim 64 stores through TMA; 128 is left out until a GPU compares it (it spills per item,
+    tests/hopper_compile.py); 256's staging tiles would not fit in shared memory."""
+    assert hopper.TMA_STORE_HEAD_DIMS == (64,)
+    assert 256 not in hopper.TMA_STORE_HEAD_DIMS
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [256, 1000])
+def test_dense_forward_stores_through_tma(monkeypatch, fwd_launches, head_dim, causal, seqlen_q):
+    """A dense 16-bit call at head dims 64 and 128 (128 as a GPU comparison would turn it on): the
+    ``TMA_STORE`` flag and a descriptor of ``out`` (B, S, H, D); at 1000 rows, not a multiple of
+    64, the descriptor's row bound is 1000, so the last warpgroup's rows 1000-1023 are clipped."""
+    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
+    q, k, v = _dense(2, seqlen_q, 4, head_dim)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, seqlen_q)
+    hopper.hopper_attn_fwd(q, k, v, out, lse, params=AttnParams(head_dim**-0.5, -1, 0 if causal else -1))
+    [(constexprs, args)] = fwd_launches
+    assert constexprs["TMA_STORE"] and constexprs["QPACK"] == 1 and not constexprs["IS_VARLEN"]
+    _assert_out_descriptor(args, out)
+    assert args[3].shape[1] == seqlen_q
+    assert args[0].base is q and args[0].block_shape == args[3].block_shape  # q's tiles and out's alike
+
+
+@pytest.mark.parametrize("view", ["heads first", "narrower", "rows of a longer one"])
+def test_strided_out_views_store_through_tma(fwd_launches, view):
+    """``out`` views with TMA-writable strides take the flag with their own strides and bounds: a
+    (B, H, S, D) buffer seen as (B, S, H, D), the first 64 of 72 columns, 300 rows of 512."""
+    q, k, v = _dense(2, 300, 4, 64)
+    out = {"heads first": torch.empty(2, 4, 300, 64, dtype=torch.bfloat16).transpose(1, 2),
+           "narrower": torch.empty(2, 300, 4, 72, dtype=torch.bfloat16)[..., :64],
+           "rows of a longer one": torch.empty(2, 512, 4, 64, dtype=torch.bfloat16)[:, 100:400]}[view]
+    hopper.hopper_attn_fwd(q, k, v, out, torch.empty(2, 4, 300), params=AttnParams(0.125, -1, 0))
+    [(constexprs, args)] = fwd_launches
+    assert constexprs["TMA_STORE"] and out.data_ptr() % 16 == 0
+    _assert_out_descriptor(args, out)
+
+
+def _store_from_registers(launch, out):
+    constexprs, args = launch
+    assert not constexprs["TMA_STORE"] and args[3] is None and args[4] is out
+
+
+@pytest.mark.parametrize("case", ["hdim 128", "hdim 256", "fp32 out", "fp16 out for bf16", "head stride of 136 bytes",
+                                  "unit stride not last"])
+def test_dense_forward_stores_from_registers(fwd_launches, case):
+    """Dense calls the rule leaves out store from registers, with None for the descriptor: head
+    dims 128 (``TMA_STORE_HEAD_DIMS``) and 256 (its staging tiles would not fit), an out of
+    another dtype, strides a descriptor cannot take."""
+    head_dim = {"hdim 128": 128, "hdim 256": 256}.get(case, 64)
+    q, k, v = _dense(1, 256, 2, head_dim)
+    out = {"fp32 out": torch.empty(q.shape), "fp16 out for bf16": torch.empty(q.shape, dtype=torch.float16),
+           "head stride of 136 bytes": torch.empty(1, 256, 2, 68, dtype=torch.bfloat16)[..., :64],
+           "unit stride not last": torch.empty(1, 256, 64, 2, dtype=torch.bfloat16).transpose(2, 3)}.get(
+               case, torch.empty_like(q))
+    hopper.hopper_attn_fwd(q, k, v, out, torch.empty(1, 2, 256), params=AttnParams(head_dim**-0.5, -1, -1))
+    [launch] = fwd_launches
+    _store_from_registers(launch, out)
+
+
+def test_kept_forward_falls_back_for_an_unaligned_out(fwd_launches):
+    """A kept launch (a prepared signature's ``HopperFwd``) that stores through TMA: a later call
+    whose ``out`` is not 16-byte aligned stores from registers (a launch of its own), the next
+    aligned one through TMA again, each with its own base."""
+    q, k, v = _dense(1, 256, 2, 64)
+    fwd = hopper.HopperFwd(AttnParams(0.125, -1, -1))
+    flat = torch.empty(256 * 2 * 64 + 8, dtype=torch.bfloat16)
+    outs = [torch.empty_like(q), flat[1:1 + 256 * 2 * 64].view(q.shape), torch.empty_like(q)]
+    for out in outs:
+        fwd(q, k, v, out, torch.empty(1, 2, 256))
+    assert fwd.tma_store and [c["TMA_STORE"] for c, _ in fwd_launches] == [True, False, True]
+    _assert_out_descriptor(fwd_launches[0][1], outs[0])
+    _store_from_registers(fwd_launches[1], outs[1])
+    _assert_out_descriptor(fwd_launches[2][1], outs[2])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_forward_stores_from_registers(monkeypatch, fwd_launches, head_dim):
+    """Packed sequences store from registers: a tile past a sequence's end would overwrite the next
+    sequence's rows (TMA clips only at the packed tensor's bounds)."""
+    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
+    q, k, v = (torch.randn(600, 4, head_dim).to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 250, 600], dtype=torch.int32)
+    out = torch.empty_like(q)
+    hopper.hopper_attn_fwd(q, k, v, out, torch.empty(4, 600), params=AttnParams(head_dim**-0.5, -1, 0),
+                           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=350, max_seqlen_k=350)
+    [(constexprs, args)] = fwd_launches
+    assert constexprs["IS_VARLEN"]
+    _store_from_registers((constexprs, args), out)
+
+
+@pytest.mark.parametrize("head_dim, group, splits", [(64, 4, 4), (64, 1, 1), (128, 8, 2)])
+def test_partials_store_from_registers(monkeypatch, fwd_launches, head_dim, group, splits):
+    """Split partials over a paged pool (QPACK query heads a row group, fp32 partials laid out
+    (splits, 1, rows, heads, dim)) store from registers, one split or several."""
+    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
+    q = torch.randn(1, 64, 8, head_dim).to(torch.bfloat16)
+    pool = torch.randn(40, 16, 8 // group, head_dim).to(torch.bfloat16)
+    table = torch.randperm(40)[:32].view(1, 32).to(torch.int32)
+    o_parts, lse_parts = torch.empty(splits, 1, 64, 8, head_dim), torch.empty(splits, 1, 8, 64)
+    hopper.hopper_attn_partials(q, pool, pool, o_parts, lse_parts, params=AttnParams(head_dim**-0.5),
+                                block_table=table, seqused_k=torch.tensor([500], dtype=torch.int32), max_seqlen_k=512)
+    [(constexprs, args)] = fwd_launches
+    assert constexprs["QPACK"] == group and constexprs["PAGE"] == 16
+    _store_from_registers((constexprs, args), o_parts)
+
+
+def test_launch_refuses_a_tma_store_it_cannot_make():
+    """``_fwd_launch`` asserts the output descriptor only comes with dense, unpacked, unsplit calls."""
+    q, k, _ = _dense(1, 256, 8, 64)
+    for extra in (dict(qpack=4), dict(num_splits=2), dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32))):
+        with pytest.raises(AssertionError):
+            hopper._fwd_launch(q, k, (0, 0, 0, 0), (0, 0, 0, 0), AttnParams(0.125), 1, 256, 256, 1, 128, 3,
+                               o_block=(1, 64, 1, 64), **extra)

@@ -13,7 +13,18 @@ the same (dense, no mask) and for dense causal calls whose grouped work order ho
 (sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item.
 Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
-2 x 2 x 32 KB = 192 KB. Registers: the kernel runs 12 warps (3 warpgroups), so at most
+2 x 2 x 32 KB = 192 KB. The output goes through shared memory and one asynchronous TMA copy per
+warpgroup (``TMA_STORE``, ``_out_block``) for dense calls (not packed: a tile past a sequence's end
+would overwrite the next one's rows; TMA clips only at the tensor's bounds) whose ``out`` has q's
+dtype and TMA-writable strides, at head dims ``TMA_STORE_HEAD_DIMS``; the others store from
+registers, as packed calls, split partials and an fp32 ``out`` do, and so does a later call of a
+kept launch whose ``out`` is not 16-byte aligned (``HopperFwd``). Two staging tiles of 64 rows add
+2 x 8 KB at hdim 64 (128 KB in all), 2 x 16 KB at 128 (192 KB) and would add 2 x 32 KB at 256 (256
+KB, past the 227 KB a block may use). At hdim 128 the staging store costs registers: compiled for
+sm_90 its consumers keep 112-120 bytes of per-item values on the stack against 16-40 without (none
+in the key-tile loop; at hdim 64 the stack shrinks, 80 -> 40 bytes unmasked, 0 causal; table in
+docs/perf-notes.md, 2026-12-01 #16), so only hdim 64 takes it until a GPU measures 128 both ways.
+Registers: the kernel runs 12 warps (3 warpgroups), so at most
 ``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and
 each consumer thread gets ``CONSUMER_REGS`` (2 x 128 x 240 + 128 x 24 <= 168 x 384).
 """
@@ -35,6 +46,9 @@ __all__ = ["hopper_fwd_reason", "fwd_signature_reason", "call_reason", "hopper_a
            "hopper_attn_partials", "HopperPartials", "HOPPER_TILES"]
 
 HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
+# The head dims whose output tiles go through shared memory (module docstring); 128 compiles too (spilling
+# per work item), 256 does not fit.
+TMA_STORE_HEAD_DIMS = (64,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
@@ -329,10 +343,11 @@ class HopperFwd:
     metadata and kept: a prepared forward (``gpu/prepared.py``) keeps one for every call of its
     signature, whose calls must have passed ``fwd_signature_reason`` once and ``call_reason`` each."""
 
-    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "launch")
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "launch", "tma_store")
 
     def __init__(self, params: AttnParams, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
         self.params, self.max_seqlen_q, self.max_seqlen_k, self.launch = params, max_seqlen_q, max_seqlen_k, None
+        self.tma_store = False
 
     def __call__(self, q, k, v, out, lse, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
         if cu_seqlens_q is not None:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
@@ -340,10 +355,18 @@ class HopperFwd:
         launch = self.launch
         if launch is None:
             launch = self.launch = self._launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q)
-        launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, None, None)
+            self.tma_store = launch.constexprs["TMA_STORE"]
+        o_desc = None
+        if self.tma_store:  # out is also the base of the output descriptor
+            if out.data_ptr() & 15:  # no descriptor on this base: this call stores from registers
+                launch = self._launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q, tma_store=False)
+            else:
+                o_desc = out
+        launch(q, k, v, o_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, None, None)
 
-    def _launch(self, q, k, v, out, lse, learnable_sink, cu_seqlens_q) -> GluonLaunch:
-        """The launch of calls like this one (q, k, v 4-D: packed ones unsqueezed)."""
+    def _launch(self, q, k, v, out, lse, learnable_sink, cu_seqlens_q, tma_store: bool = True) -> GluonLaunch:
+        """The launch of calls like this one (q, k, v 4-D: packed ones unsqueezed); with ``tma_store``
+        False it stores the output from registers whatever ``_out_block`` says."""
         params = self.params
         varlen = cu_seqlens_q is not None
         if varlen:
@@ -372,7 +395,22 @@ class HopperFwd:
         else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
             programs, group = min(works, _sms(q)), 1
         return _fwd_launch(q, k, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
-                           learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, group=group)
+                           learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, group=group,
+                           o_block=_out_block(q, out, varlen) if tma_store else None)
+
+
+def _out_block(q, out, varlen: bool) -> tuple[int, ...] | None:
+    """The tile [1, 64, 1, D] of the output descriptor when the forward stores ``out`` through shared
+    memory with TMA copies (``TMA_STORE``: the module docstring), else None: dense calls at head dims
+    ``TMA_STORE_HEAD_DIMS`` whose ``out`` (B, S, H, D) has q's dtype, a unit last stride and strides of
+    16-byte multiples (a view of a larger tensor is fine: the descriptor's bounds are the view's). The
+    base's alignment, which can change from call to call, is the caller's to check."""
+    head_dim = q.shape[-1]
+    if varlen or head_dim not in TMA_STORE_HEAD_DIMS or out.dtype != q.dtype or out.dim() != 4:
+        return None
+    if out.stride(-1) != 1 or _strides_reason(out):
+        return None
+    return (1, ROWS_WG, 1, head_dim)
 
 
 def _order_group(k, v, seqlen_k: int, nheads: int, pairs: int) -> int:
@@ -391,14 +429,15 @@ def _sms(q) -> int:
 
 def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs, block_n, stages,
                 *, learnable_sink=None, cu_seqlens_q=None, seqused_k=None, block_table=None, qpack=1, num_splits=1,
-                tiles_per_split=2**30, group=1) -> GluonLaunch:
+                tiles_per_split=2**30, group=1, o_block=None) -> GluonLaunch:
     """The one launch of the Gluon forward: descriptor tiles, integer arguments, flags, for calls
     whose tensors are like these (the optional ones read only for their presence and the block
     table's layout). q and k are 4-D (batch, seqlen, heads, dim), k the pool (num_blocks, page,
     heads_k, dim) with ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split)
     and (batch, head, seqlen, split) of the output and lse. The launch takes (q, or with ``qpack`` its
-    5-D view (B, S, H_k, qpack, D), k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-    seqused_k, block_table)."""
+    5-D view (B, S, H_k, qpack, D), k, v, out or None, out, lse, learnable_sink, cu_seqlens_q,
+    cu_seqlens_k, seqused_k, block_table): with ``o_block`` (``_out_block``: dense, ``qpack`` 1, one
+    split) the first out is the base of the output descriptor (``TMA_STORE``), else None."""
     from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
 
     nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
@@ -409,10 +448,12 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
     table = (block_table.stride(0), block_table.shape[1]) if block_table is not None else (0, 0)
     numbers = (*o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group,
                params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
+    assert o_block is None or (qpack == 1 and num_splits == 1 and cu_seqlens_q is None and block_table is None)
     return GluonLaunch(_attn_fwd_hopper_kernel, (programs, 1, 1), dict(
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
-        PAGE=page, BLOCK_N=block_n, STAGES=stages), (q_block, kv_block, kv_block) + (None,) * 7, numbers)
+        PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None),
+        (q_block, kv_block, kv_block, o_block) + (None,) * 7, numbers)
 
 
 def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table, seqused_k) -> str | None:
@@ -477,4 +518,4 @@ def hopper_attn_partials(q, k_cache, v_cache, o_parts, lse_parts, *, params: Att
                          block_n, stages, seqused_k=seqused_k, block_table=block_table, qpack=qpack, num_splits=splits,
                          tiles_per_split=tiles_per_split)
     q_rows = q.unflatten(2, (nheads // qpack, qpack)) if qpack > 1 else q
-    launch(q_rows, k_cache, v_cache, o_parts, lse_parts, None, None, None, seqused_k, block_table)
+    launch(q_rows, k_cache, v_cache, None, o_parts, lse_parts, None, None, None, seqused_k, block_table)

@@ -22,6 +22,12 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
   epilogue) when items cost the same or the launcher finds the order balanced enough, one
   program per item otherwise.
 
+The output: with ``TMA_STORE`` (dense calls, ``QPACK`` 1, one split: the launcher's rule) each
+consumer warpgroup writes its normalised tile to a shared-memory staging tile of its own and hands it
+to the copy engine (one bulk copy, clipped at ``seqlen_q`` by the descriptor's bounds), waiting for
+that copy only before its next item's epilogue writes the tile again; otherwise each thread stores its
+accumulator fragments to global memory. The lse is stored from registers either way.
+
 Masks: the key tiles of a query block fall into the three ranges of ``attn_fwd.py`` (left window
 edge, fully visible, diagonal / right edge / past ``seqlen_k``); one loop walks them and applies
 the mask only on tiles outside the fully visible range (a uniform branch per tile).
@@ -249,17 +255,23 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os,
-              stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
+def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stages, Out, Lse, Sink, stride_ob,
+              stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
     ``HAS_SINK``: the head's learnable sink (a logit without a value) starts each row's state
     as one term already seen, m = sink (log2 units) and l = 1; a row that sees no key then
-    gets out 0 and lse = sink, as in ``attn_fwd.py``."""
+    gets out 0 and lse = sink, as in ``attn_fwd.py``.
+
+    ``TMA_STORE`` (dense, ``QPACK`` 1, one split): the output tile goes to this warpgroup's
+    staging tile (``o_stages[WG]``, [1, 64, 1, HEAD_DIM]) in shared memory and from there to ``o_desc``
+    with one asynchronous bulk copy, which the descriptor's bounds clip at ``seqlen_q``; the
+    copy is waited for only when the staging tile is next written (the next item's epilogue)
+    and once before the program ends. Else each thread stores its accumulator fragments."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
@@ -274,6 +286,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Si
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, layout=s_layout)
     q_tile = q_smem.index(WG).reshape([ROWS_WG, HEAD_DIM])
+    if TMA_STORE:
+        o_stage = o_stages.index(WG)  # [1, ROWS_WG, 1, HEAD_DIM]
     batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
     items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
     c = 0  # K/V copies consumed so far: the ring position of the item's first tile
@@ -336,26 +350,36 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Si
             l_safe = gl.where(empty, 1.0, l_i)
             lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [ROWS_WG] natural log
             o = o / gl.convert_layout(l_safe, row_o)[:, None]
-            rows_o = m_start + gl.arange(0, ROWS_WG, layout=row_o)  # [ROWS_WG] packed rows
-            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-            o_base = Out + split.to(gl.int64) * stride_osplit + b.to(gl.int64) * stride_ob
-            o_row = (q_start + rows_o // QPACK).to(gl.int64) * stride_os + (h * QPACK + rows_o % QPACK) * stride_oh
-            gl.store(o_base + o_row[:, None] + cols_o[None, :], o.to(Out.dtype.element_ty),
-                     mask=(rows_o // QPACK < seqlen_q)[:, None])  # [ROWS_WG, HEAD_DIM]
+            if TMA_STORE:  # dense rows: q_start is 0, b_desc is b; rows past seqlen_q are clipped by the copy
+                tma.store_wait(0)  # the previous item's copy has read the staging tile
+                gl.thread_barrier()
+                o_stage.reshape([ROWS_WG, HEAD_DIM]).store(o.to(o_desc.dtype))  # [ROWS_WG, HEAD_DIM]
+                fence_async_shared()
+                gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk copy
+                tma.async_copy_shared_to_global(o_desc, [b_desc, m_start, h, 0], o_stage)
+            else:
+                rows_o = m_start + gl.arange(0, ROWS_WG, layout=row_o)  # [ROWS_WG] packed rows
+                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+                o_base = Out + split.to(gl.int64) * stride_osplit + b.to(gl.int64) * stride_ob
+                o_row = (q_start + rows_o // QPACK).to(gl.int64) * stride_os + (h * QPACK + rows_o % QPACK) * stride_oh
+                gl.store(o_base + o_row[:, None] + cols_o[None, :], o.to(Out.dtype.element_ty),
+                         mask=(rows_o // QPACK < seqlen_q)[:, None])  # [ROWS_WG, HEAD_DIM]
             l_base = Lse + split.to(gl.int64) * stride_lsplit + b.to(gl.int64) * stride_lb
             l_row = (q_start + q_pos).to(gl.int64) * stride_ls + (h * QPACK + rows_s % QPACK) * stride_lh
             gl.store(l_base + l_row, lse, mask=q_pos < seqlen_q)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read the staging tile before the program ends
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, stride_tb, table_len,
     batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
     of one (sequence, head, key split) each, ordered by ``_work``): with P = the number of SMs
@@ -372,7 +396,11 @@ def _attn_fwd_hopper_kernel(
     sequence (it sizes the work list); blocks past a sequence's end are skipped. A key tile that
     runs past its sequence reads the next sequence's rows, whose scores are masked to -inf.
     ``HAS_SEQUSED``: sequence b has ``SequsedK[b]`` keys (``seqlen_k`` is then the most, which
-    sizes the splits); ``PAGE``, ``QPACK``, ``num_splits``: the module's docstring."""
+    sizes the splits); ``PAGE``, ``QPACK``, ``num_splits``: the module's docstring.
+
+    ``TMA_STORE``: ``o_desc`` (None without it) is a descriptor of ``Out`` (B, S, H, D) read in
+    [1, 64, 1, D] tiles, and each consumer warpgroup stores its output tile through a staging
+    tile of its own (``_consumer``); the launcher sets it for dense calls only."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -385,6 +413,11 @@ def _attn_fwd_hopper_kernel(
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA_STORE:  # one output staging tile per consumer warpgroup
+        gl.static_assert(QPACK == 1 and not IS_VARLEN and PAGE == 0, "the output copy serves dense rows")
+        o_stage = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_stage: gl.constexpr = None
     for i in gl.static_range(2):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -397,12 +430,12 @@ def _attn_fwd_hopper_kernel(
     geom = (CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits,
             tiles_per_split, group)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os, stride_oh,
-                     stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN,
-                     HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES)),
-        (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, Out, Lse, Sink, stride_ob, stride_os, stride_oh,
-                     stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN,
-                     HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES)),
+        (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
+                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
+                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE)),
+        (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
+                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
+                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                      GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
