@@ -49,6 +49,11 @@ HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK
 # The head dims whose output tiles go through shared memory (module docstring); 128 compiles too (spilling
 # per work item), 256 does not fit.
 TMA_STORE_HEAD_DIMS = (64,)
+# The head dims whose consumers release Q after an item's last S product (``Q_EARLY``), so that the next
+# item's loads overlap its last P V product and epilogue. Measured on the H200 (docs/perf-notes.md,
+# 2026-12-01 14:40, forward alone, two alternating runs): hdim 128 +0.2 to +4.9 % at 2k, -1.8 to +2.8 %
+# at 8k; hdim 64 (with its TMA-store epilogue) -0.5 to -3.1 % in every cell, so it stays off there.
+Q_EARLY_HEAD_DIMS = (128,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
@@ -452,7 +457,8 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
     return GluonLaunch(_attn_fwd_hopper_kernel, (programs, 1, 1), dict(
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
-        PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None),
+        PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None,
+        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS),
         (q_block, kv_block, kv_block, o_block) + (None,) * 7, numbers)
 
 

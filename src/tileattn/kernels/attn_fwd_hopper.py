@@ -259,7 +259,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
               stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
@@ -271,7 +271,11 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
     staging tile (``o_stages[WG]``, [1, 64, 1, HEAD_DIM]) in shared memory and from there to ``o_desc``
     with one asynchronous bulk copy, which the descriptor's bounds clip at ``seqlen_q``; the
     copy is waited for only when the staging tile is next written (the next item's epilogue)
-    and once before the program ends. Else each thread stores its accumulator fragments."""
+    and once before the program ends. Else each thread stores its accumulator fragments.
+
+    ``Q_EARLY``: the warpgroup releases its Q buffer as soon as the item's last S product has
+    completed, not after the item's last P V product (the launcher's rule: the head dims where
+    this was measured to gain)."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
@@ -335,6 +339,10 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
                     o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
                     mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
                     o = o * gl.convert_layout(alpha, row_o)[:, None]
+                if Q_EARLY:  # Q's last reader, the last S product, has completed: the producer may load
+                    # the next item's Q, and the K/V tiles it queues behind it, during this item's last
+                    # P V product and epilogue
+                    mbarrier.arrive(q_empty.index(WG), count=1)
                 v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
                 if PAGE > 0:
                     if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
@@ -342,7 +350,10 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 o = warpgroup_mma(p_op, v_tile, o)
                 mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
-            mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
+            elif Q_EARLY:  # no key tile read Q
+                mbarrier.arrive(q_empty.index(WG), count=1)
+            if not Q_EARLY:
+                mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
             c += n_hi - n_lo
             j += 1
 
@@ -378,7 +389,8 @@ def _attn_fwd_hopper_kernel(
     batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
@@ -432,10 +444,10 @@ def _attn_fwd_hopper_kernel(
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
-                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE)),
+                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
-                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE)),
+                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                      GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
