@@ -127,3 +127,191 @@ def st_kernel(k_desc, q_ptr, st_ptr, MECH: gl.constexpr):
     r = gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     n = gl.arange(0, N_Q, layout=gl.SliceLayout(0, acc_layout))
     gl.store(st_ptr + r[:, None] * N_Q + n[None, :], acc)
+
+
+# --- item 3: O^T = V^T P^T with V^T an fp16 register A operand made from V's fp8 bytes ---------------
+
+# The relabelling of O^T's rows: logical row d' (the wgmma's M) sits at physical column PI_D(d') of V,
+# bit i of d' being bit D_BITS[i] of d. Keys are not relabelled (P^T is read as it is).
+D_BITS = (2, 3, 4, 0, 5, 6, 1)
+
+
+def _v_load_layout():
+    """The layout V's fp8 [64 keys, 128 d] tile is read from shared memory in: per thread and key
+    pair, two 32-bit words (4 consecutive d of keys k and k + 1, registers 0-7 of each pack of 8),
+    so that after the byte transpose the registers hold the fp16 A layout of V^T (relabelled)."""
+    reg = [[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]]  # d bits 0, 1; key bits 0, 3, 4, 5
+    lane = [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]]  # key bits 1, 2 (t); d bits 2, 3, 4 (g)
+    warp = [[0, 32], [0, 64]]  # d bits 5, 6
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[64, 128])
+
+
+V_LOAD = gl.constexpr(_v_load_layout())
+
+# Two prmt.b32 turn [d0..d3 of key k] [d0..d3 of key k+1] into the (k, k+1) byte pairs of d0, d1 and
+# d2, d3; four cvt.rn.f16x2.e4m3x2 make the f16x2 registers. Output element e of the pack holds
+# V[k + e % 2, d0 + e // 2] where input element e held V[k + e // 4, d0 + e % 4].
+_TRANSPOSE_ASM = gl.constexpr("""{
+.reg .b32 a, b;
+.reg .b16 a0, a1, b0, b1;
+prmt.b32 a, $4, $5, 0x5140;
+prmt.b32 b, $4, $5, 0x7362;
+mov.b32 {a0, a1}, a;
+mov.b32 {b0, b1}, b;
+cvt.rn.f16x2.e4m3x2 $0, a0;
+cvt.rn.f16x2.e4m3x2 $1, a1;
+cvt.rn.f16x2.e4m3x2 $2, b0;
+cvt.rn.f16x2.e4m3x2 $3, b1;
+}""")
+
+
+@gluon.jit
+def _transpose_convert(v):
+    """[64, 128] fp8 in V_LOAD -> [64, 128] fp16 whose registers hold the byte-transposed values;
+    then the relabelling that makes it V (fp16) at its true coordinates, still in registers."""
+    t = gl.inline_asm_elementwise(_TRANSPOSE_ASM, "=r,=r,=r,=r,r,r", [v], dtype=gl.float16, is_pure=True, pack=8)
+    # t[kp, a, dq, bh, bl] (key = 2 kp + a, d = 4 dq + 2 bh + bl) holds V[2 kp + bl, 4 dq + 2 a + bh]
+    t = t.reshape([KEYS // 2, 2, HEAD_DIM // 4, 2, 2])
+    t = t.permute((0, 4, 2, 1, 3))
+    return t.reshape([KEYS, HEAD_DIM])  # V[key, d] in fp16
+
+
+@gluon.jit
+def _relabel_d(vt):
+    """[128 d, 64 keys] at physical d -> the same registers read at logical rows d' (D_BITS)."""
+    x = vt.reshape([2, 2, 2, 2, 2, 2, 2, KEYS])  # dim j is bit 6 - j of d
+    # logical bit i (dim 6 - i of the result) is physical bit D_BITS[i] (dim 6 - D_BITS[i]):
+    # logical bits 6..0 <- physical bits 1, 6, 5, 0, 4, 3, 2 -> dims 5, 0, 1, 6, 2, 3, 4
+    x = x.permute((5, 0, 1, 6, 2, 3, 4, 7))
+    return x.reshape([HEAD_DIM, KEYS])
+
+
+@gluon.jit
+def _physical_d(dl):
+    """The physical d of logical row d' (D_BITS)."""
+    return (((dl >> 0) & 1) << 2) | (((dl >> 1) & 1) << 3) | (((dl >> 2) & 1) << 4) | (((dl >> 3) & 1) << 0) \
+        | (((dl >> 4) & 1) << 5) | (((dl >> 5) & 1) << 6) | (((dl >> 6) & 1) << 1)
+
+
+@gluon.jit
+def ot_kernel(v_desc, p_ptr, ot_ptr, TRIVIAL: gl.constexpr):
+    """ot[d, n] = sum_key v[key, d] p[n, key] for one 64 x 128 fp8 V tile and P [8, 64] fp16.
+    TRIVIAL: assert that the relabelled tile converts to the A layout with no data movement."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    a_f16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KEYS, HEAD_DIM], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    mbarrier.expect(bar.index(0), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [0, 0], bar.index(0), v_smem)
+
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
+    rows = gl.arange(0, N_Q, layout=gl.SliceLayout(1, p_layout))
+    keys = gl.arange(0, KEYS, layout=gl.SliceLayout(0, p_layout))
+    p = gl.load(p_ptr + rows[:, None] * KEYS + keys[None, :])  # [8, 64] fp16
+    p_smem = gl.allocate_shared_memory(gl.float16, [N_Q, KEYS],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16), p)
+    fence_async_shared()
+    mbarrier.wait(bar.index(0), 0)
+
+    v = _transpose_convert(v_smem.load(V_LOAD))  # [64, 128] fp16
+    vt = _relabel_d(v.permute((1, 0)))  # [128 d', 64 keys]
+    if TRIVIAL:
+        vt_op = gl.convert_layout(vt, a_f16, assert_trivial=True)
+    else:
+        vt_op = gl.convert_layout(vt, a_f16)
+    acc = gl.zeros([HEAD_DIM, N_Q], gl.float32, layout=acc_layout)
+    acc = warpgroup_mma(vt_op, p_smem.permute((1, 0)), acc, use_acc=False)
+    mbarrier.invalidate(bar.index(0))
+
+    dl = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, acc_layout))
+    n = gl.arange(0, N_Q, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(ot_ptr + _physical_d(dl)[:, None] * N_Q + n[None, :], acc)
+
+
+# --- host side: launches (GPU) and the offline sm_90 report (no GPU) --------------------------------
+
+def st_product(k, q, mech=1):
+    """S^T = K Q^T, [64, 8] fp32, from K [64, 128] (fp8 e4m3, or fp16 with ``mech`` 3) and Q [8, 128] fp16."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    assert k.shape == (64, 128) and q.shape == (8, 128) and q.dtype == torch.float16
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=k.element_size() * 8)
+    st = torch.empty(64, 8, dtype=torch.float32, device=k.device)
+    st_kernel[(1,)](TensorDescriptor.from_tensor(k.contiguous(), [64, 128], layout), q.contiguous(), st, MECH=mech,
+                    num_warps=4)
+    return st
+
+
+def ot_product(v, p, trivial=True):
+    """O^T = V^T P^T, [128, 8] fp32, from V [64 keys, 128] fp8 e4m3 and P [8, 64 keys] fp16."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    assert v.shape == (64, 128) and p.shape == (8, 64) and p.dtype == torch.float16
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    ot = torch.empty(128, 8, dtype=torch.float32, device=v.device)
+    ot_kernel[(1,)](TensorDescriptor.from_tensor(v.contiguous(), [64, 128], layout), p.contiguous(), ot,
+                    TRIVIAL=trivial, num_warps=4)
+    return ot
+
+
+SASS_OPS = ("LDS", "LDSM", "STS", "SHFL", "PRMT", "F2FP", "HGMMA")
+
+
+def offline_report():
+    """{variant: (shared bytes, 'regs=.. stack=..', {op: count} over SASS_OPS, instructions)} of
+    every variant compiled for sm_90 (needs no GPU; run without TRITON_INTERPRET), or
+    {variant: 'FAIL: message'} where the compiler refuses it."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+    import triton
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import hopper_compile as hc
+
+    def sass(compiled):
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+    def one(fn, args, kwargs):
+        try:
+            c = hc.compile_gluon(fn, args, kwargs)
+        except Exception as e:  # the compiler's refusal is the result
+            while e.__cause__ is not None:
+                e = e.__cause__
+            return "FAIL: " + " | ".join(line for line in str(e).splitlines() if line.strip())[-600:]
+        ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
+                                                                    sass(c)))
+        return c.metadata.shared, hc.registers(c), {k: ops[k] for k in SASS_OPS}, sum(ops.values())
+
+    out = {}
+    q = torch.zeros(8, 128, dtype=torch.float16)
+    for mech in (0, 1, 2, 3):
+        dt = torch.float16 if mech == 3 else torch.float8_e4m3fn
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16 if mech == 3 else 8)
+        kd = TensorDescriptor.from_tensor(torch.zeros(64, 128, dtype=dt), [64, 128], layout)
+        out[f"st MECH {mech}"] = one(st_kernel, (kd, q, torch.zeros(64, 8)), dict(MECH=mech, num_warps=4))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    vd = TensorDescriptor.from_tensor(torch.zeros(64, 128, dtype=torch.float8_e4m3fn), [64, 128], layout)
+    for trivial in (1, 0):
+        out[f"ot TRIVIAL {trivial}"] = one(ot_kernel, (vd, torch.zeros(8, 64, dtype=torch.float16),
+                                                       torch.zeros(128, 8)), dict(TRIVIAL=trivial, num_warps=4))
+    return out
+
+
+if __name__ == "__main__":  # python tests/fp8_operands_spike.py: the offline sm_90 report
+    for name, result in offline_report().items():
+        print(name, result, flush=True)
