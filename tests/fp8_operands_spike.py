@@ -46,44 +46,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-KEYS: gl.constexpr = gl.constexpr(64)
-HEAD_DIM: gl.constexpr = gl.constexpr(128)
-N_Q: gl.constexpr = gl.constexpr(8)
-
-
-def _permuted_a_layout():
-    """Mechanism (b)'s load layout for the fp8 [64, 128] K tile: the linear layout of the fp16 A
-    operand (4 warps, k_width 2) with its column bases mapped through the relabelling
-    kk -> c (kk = 16 blk + 8 jh + 2 t + jl  ->  c = 16 blk + 4 t + 2 jh + jl), written out by hand."""
-    # fp16 A layout of wgmma m64 x k16 per warpgroup, 128 columns (8 k-steps), rows 64:
-    #   register bits: kk bit 0 (jl), row bit 3 (+8), kk bit 3 (jh), then kk bits 4, 5, 6 (blk)
-    #   lane bits: kk bits 1, 2 (t), row bits 0, 1, 2 (g); warp bits: row bits 4, 5
-    def c_of(kk):  # physical column of logical column kk (linear over GF(2) on the bits used)
-        blk, jh, t, jl = kk // 16, (kk // 8) % 2, (kk // 2) % 4, kk % 2
-        return 16 * blk + 4 * t + 2 * jh + jl
-
-    reg = [[0, c_of(1)], [8, 0], [0, c_of(8)], [0, c_of(16)], [0, c_of(32)], [0, c_of(64)]]
-    lane = [[0, c_of(2)], [0, c_of(4)], [1, 0], [2, 0], [4, 0]]
-    warp = [[16, 0], [32, 0]]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[64, 128])
-
-
-PERMUTED_A = gl.constexpr(_permuted_a_layout())
+# the helpers live in the kernel that uses them (kernels/decode_fp8_hopper.py); the spike's kernels test them alone
+from tileattn.kernels.decode_fp8_hopper import (HEAD_DIM, KEYS, N_Q, PERMUTED_A, V_LOAD, _logical_col,  # noqa: F401
+                                                _physical_d, _relabel_d, _relabel_k, _transpose_convert)
 
 
 @gluon.jit
-def _relabel_k(x):
-    """[64, 128] tensor at physical columns c -> the same registers read at logical columns kk."""
-    x = x.reshape([KEYS, 8, 4, 2, 2])  # [rows, blk, t, jh, jl]
-    x = x.permute((0, 1, 3, 2, 4))  # [rows, blk, jh, t, jl]
-    return x.reshape([KEYS, HEAD_DIM])
-
-
-@gluon.jit
-def _logical_col(kk):
-    """The physical column PI(kk) of logical reduction index kk."""
-    return (kk // 16) * 16 + ((kk // 2) % 4) * 4 + ((kk // 8) % 2) * 2 + kk % 2
+def _start_tile_copy(desc):
+    """Allocate a [KEYS, HEAD_DIM] tile in shared memory and start its TMA copy: (tile, barrier)."""
+    smem = gl.allocate_shared_memory(desc.dtype, [KEYS, HEAD_DIM], desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    mbarrier.expect(bar.index(0), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [0, 0], bar.index(0), smem)
+    return smem, bar
 
 
 @gluon.jit
@@ -92,11 +68,7 @@ def st_kernel(k_desc, q_ptr, st_ptr, MECH: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     a_f16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     a_f8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KEYS, HEAD_DIM], k_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    mbarrier.expect(bar.index(0), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [0, 0], bar.index(0), k_smem)
+    k_smem, bar = _start_tile_copy(k_desc)
 
     # Q with its columns relabelled as K's (physical columns when K is fp16: MECH 3, 0)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
@@ -131,80 +103,13 @@ def st_kernel(k_desc, q_ptr, st_ptr, MECH: gl.constexpr):
 
 # --- item 3: O^T = V^T P^T with V^T an fp16 register A operand made from V's fp8 bytes ---------------
 
-# The relabelling of O^T's rows: logical row d' (the wgmma's M) sits at physical column PI_D(d') of V,
-# bit i of d' being bit D_BITS[i] of d. Keys are not relabelled (P^T is read as it is).
-D_BITS = (2, 3, 4, 0, 5, 6, 1)
-
-
-def _v_load_layout():
-    """The layout V's fp8 [64 keys, 128 d] tile is read from shared memory in: per thread and key
-    pair, two 32-bit words (4 consecutive d of keys k and k + 1, registers 0-7 of each pack of 8),
-    so that after the byte transpose the registers hold the fp16 A layout of V^T (relabelled)."""
-    reg = [[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]]  # d bits 0, 1; key bits 0, 3, 4, 5
-    lane = [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]]  # key bits 1, 2 (t); d bits 2, 3, 4 (g)
-    warp = [[0, 32], [0, 64]]  # d bits 5, 6
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[64, 128])
-
-
-V_LOAD = gl.constexpr(_v_load_layout())
-
-# Two prmt.b32 turn [d0..d3 of key k] [d0..d3 of key k+1] into the (k, k+1) byte pairs of d0, d1 and
-# d2, d3; four cvt.rn.f16x2.e4m3x2 make the f16x2 registers. Output element e of the pack holds
-# V[k + e % 2, d0 + e // 2] where input element e held V[k + e // 4, d0 + e % 4].
-_TRANSPOSE_ASM = gl.constexpr("""{
-.reg .b32 a, b;
-.reg .b16 a0, a1, b0, b1;
-prmt.b32 a, $4, $5, 0x5140;
-prmt.b32 b, $4, $5, 0x7362;
-mov.b32 {a0, a1}, a;
-mov.b32 {b0, b1}, b;
-cvt.rn.f16x2.e4m3x2 $0, a0;
-cvt.rn.f16x2.e4m3x2 $1, a1;
-cvt.rn.f16x2.e4m3x2 $2, b0;
-cvt.rn.f16x2.e4m3x2 $3, b1;
-}""")
-
-
-@gluon.jit
-def _transpose_convert(v):
-    """[64, 128] fp8 in V_LOAD -> [64, 128] fp16 whose registers hold the byte-transposed values;
-    then the relabelling that makes it V (fp16) at its true coordinates, still in registers."""
-    t = gl.inline_asm_elementwise(_TRANSPOSE_ASM, "=r,=r,=r,=r,r,r", [v], dtype=gl.float16, is_pure=True, pack=8)
-    # t[kp, a, dq, bh, bl] (key = 2 kp + a, d = 4 dq + 2 bh + bl) holds V[2 kp + bl, 4 dq + 2 a + bh]
-    t = t.reshape([KEYS // 2, 2, HEAD_DIM // 4, 2, 2])
-    t = t.permute((0, 4, 2, 1, 3))
-    return t.reshape([KEYS, HEAD_DIM])  # V[key, d] in fp16
-
-
-@gluon.jit
-def _relabel_d(vt):
-    """[128 d, 64 keys] at physical d -> the same registers read at logical rows d' (D_BITS)."""
-    x = vt.reshape([2, 2, 2, 2, 2, 2, 2, KEYS])  # dim j is bit 6 - j of d
-    # logical bit i (dim 6 - i of the result) is physical bit D_BITS[i] (dim 6 - D_BITS[i]):
-    # logical bits 6..0 <- physical bits 1, 6, 5, 0, 4, 3, 2 -> dims 5, 0, 1, 6, 2, 3, 4
-    x = x.permute((5, 0, 1, 6, 2, 3, 4, 7))
-    return x.reshape([HEAD_DIM, KEYS])
-
-
-@gluon.jit
-def _physical_d(dl):
-    """The physical d of logical row d' (D_BITS)."""
-    return (((dl >> 0) & 1) << 2) | (((dl >> 1) & 1) << 3) | (((dl >> 2) & 1) << 4) | (((dl >> 3) & 1) << 0) \
-        | (((dl >> 4) & 1) << 5) | (((dl >> 5) & 1) << 6) | (((dl >> 6) & 1) << 1)
-
-
 @gluon.jit
 def ot_kernel(v_desc, p_ptr, ot_ptr, TRIVIAL: gl.constexpr):
     """ot[d, n] = sum_key v[key, d] p[n, key] for one 64 x 128 fp8 V tile and P [8, 64] fp16.
     TRIVIAL: assert that the relabelled tile converts to the A layout with no data movement."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     a_f16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KEYS, HEAD_DIM], v_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    mbarrier.expect(bar.index(0), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [0, 0], bar.index(0), v_smem)
+    v_smem, bar = _start_tile_copy(v_desc)
 
     p_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
     rows = gl.arange(0, N_Q, layout=gl.SliceLayout(1, p_layout))

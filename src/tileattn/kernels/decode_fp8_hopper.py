@@ -35,15 +35,16 @@ Scales, as the portable FP8 path (``attn_fwd.py``'s ``IS_FP8``): q is scaled by 
 puts its largest entry of the work item in (2^13, 2^14] and rounded to fp16; the factor and k's
 descale join the score scale; v's descale multiplies the output. Masks: keys past the sequence's
 ``seqlen_k`` (and with ``CAUSAL`` past each query's diagonal, bottom-right aligned) get score -inf;
-the V bytes of keys past ``seqlen_k`` are zeroed in registers before the product (a page's unused
-slots may hold NaN, and NaN x 0 is NaN). A sequence with no keys gives out 0 and lse -inf.
+the V rows of the sequence's last tile past ``seqlen_k`` are zeroed in shared memory before they are
+read (``_zero_rows_from``, as the forward's paged path: a page's unused slots may hold NaN, and NaN x 0
+is NaN; zeroed in registers instead, the byte selects cost ~170 instructions on every tile). A sequence with no keys gives out 0 and lse -inf.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from .attn_fwd_hopper import _copy_kv, _online_rescale, _wait_tile
+from .attn_fwd_hopper import _copy_kv, _online_rescale, _wait_tile, _zero_rows_from
 from .common import LN2
 
 KEYS: gl.constexpr = gl.constexpr(64)  # keys per consumer warpgroup per ring slot (wgmma's M)
@@ -258,12 +259,13 @@ def _fp8_consumer(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, ge
         for t in range(n_lo, n_hi):
             key0 = t * BLOCK_N + WG * KEYS  # this warpgroup's first key of the tile
             k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
-            v8 = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS).load(V_LOAD)
+            v_tile = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM)
+            if (t + 1) * BLOCK_N > seqlen_k:  # the sequence's last tile: its rows past the keys hold anything (NaN)
+                _zero_rows_from(v_tile, seqlen_k - t * BLOCK_N, BLOCK_N, HEAD_DIM)  # both warpgroups: same values
+                gl.thread_barrier()  # every warp's rows zeroed before any reads them
+            v8 = v_tile.slice(WG * KEYS, KEYS).load(V_LOAD)
             mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
             mbarrier.arrive(v_empty.index(c % STAGES), count=1)
-            if key0 + KEYS > seqlen_k:  # the sequence's last tile: keys past it hold anything (NaN)
-                k_ld = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, V_LOAD))
-                v8 = gl.where((k_ld < seqlen_k)[:, None], v8, gl.zeros_like(v8))
             s = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False)  # [KEYS, N_Q] S^T
             if CAUSAL:
                 masked = key0 + KEYS > diag + 1
