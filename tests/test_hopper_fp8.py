@@ -221,7 +221,7 @@ def _dense_cache(cache, table, b, n, page):
     return cache.flatten(0, 1)[rows]
 
 
-def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16):
+def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16, scale=D**-0.5):
     from tileattn.gpu import attention as A
 
     k_descale, v_descale, k_cache, v_cache, table = _pool(lens, page, nheads_k, gen, paged)
@@ -234,7 +234,7 @@ def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16):
         "the rule does not take the call on this GPU"
     A.clear_plans()
     out, lse = tileattn.flash_attn_with_kvcache(
-        qd, kd, vd, cache_seqlens=used.to(dev), block_table=args["block_table"], causal=True,
+        qd, kd, vd, cache_seqlens=used.to(dev), block_table=args["block_table"], causal=True, softmax_scale=scale,
         return_softmax_lse=True, num_splits=splits, k_descale=args["k_descale"], v_descale=args["v_descale"])
     assert len(A._FP8_PLANS) == 1, "the Gluon FP8 decode did not take the call"
     out, lse = out.cpu(), lse.cpu()
@@ -245,8 +245,9 @@ def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16):
         k_b = _dense_cache(k_cache, table, b, n, page).double() * k_descale[b].double()[None, :, None]
         v_b = _dense_cache(v_cache, table, b, n, page).double() * v_descale[b].double()[None, :, None]
         ref_o, ref_lse = R.attention_naive(q[b:b + 1].double().numpy(), k_b[None].numpy(), v_b[None].numpy(),
-                                           causal=True)
-        plain_o, plain_lse = plain_attention(q[b:b + 1], k_b[None].to(dtype), v_b[None].to(dtype), causal=True)
+                                           softmax_scale=scale, causal=True)
+        plain_o, plain_lse = plain_attention(q[b:b + 1], k_b[None].to(dtype), v_b[None].to(dtype),
+                                             softmax_scale=scale, causal=True)
         assert_within(f"out[{b}] ({n} keys)", out[b:b + 1], plain_o, ref_o)
         assert_within(f"lse[{b}] ({n} keys)", lse[b:b + 1], plain_lse, ref_lse)
 
@@ -283,8 +284,12 @@ def test_fp8_decode_speculative_rows_causal(sq, group, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_size", [4e4, 1e-6])
 def test_fp8_decode_any_q_magnitude(q_size):
-    """q scaled by a power of two into fp16's range first, as the portable FP8 path."""
+    """q scaled by a power of two into fp16's range first, as the portable FP8 path: entries of 4e4
+    (past fp16's 65504 once multiplied out) and 1e-6 (fp16 subnormals unscaled), with the largest
+    entries and an exact zero in one row; softmax_scale keeps the scores O(1), so that the
+    reference and the plain-torch budget describe the same softmax."""
     gen = torch.Generator().manual_seed(1920)
     lens = [7, 300]
     q = (torch.randn(len(lens), 1, 8, D, generator=gen) * q_size).to(torch.bfloat16)
-    _check(q, lens, 16, True, 0, 2, gen)
+    q[0, 0, 0, :3] = torch.tensor([2 * q_size, -3 * q_size, 0.0])
+    _check(q, lens, 16, True, 0, 2, gen, scale=D**-0.5 / q_size)
