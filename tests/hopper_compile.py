@@ -42,7 +42,8 @@ from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
 from tileattn.gpu import kvcache as append_launcher  # noqa: E402
-from tileattn.kernels import attn_bwd_hopper, attn_fwd_hopper  # noqa: E402
+from tileattn.gpu import hopper_fp8 as hopper_fp8_launcher  # noqa: E402
+from tileattn.kernels import attn_bwd_hopper, attn_fwd_hopper, decode_fp8_hopper  # noqa: E402
 
 # the cases' short sequences take the Gluon backward's dQ reductions too (the deterministic cases
 # compile its two-launch form)
@@ -114,6 +115,23 @@ def wgmma_serialised(compiled) -> bool:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     return bool(hgmma) and all("gsb0" in line for line in hgmma)
+
+
+SASS_OPS = ("LDS", "LDSM", "STS", "SHFL", "PRMT", "F2FP", "HGMMA", "BAR")
+
+
+def sass_counts(compiled) -> tuple[dict, int]:
+    """({op: count} over ``SASS_OPS``, all instructions) of the cubin's SASS (cuobjdump, whole kernel)."""
+    import collections
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
+                                                                sass))
+    return {k: ops[k] for k in SASS_OPS}, sum(ops.values())
 
 
 def registers(compiled) -> str:
@@ -394,6 +412,37 @@ def hopper_partials_cases():
     return cases
 
 
+def fp8_decode(q, k, v, out, lse, params, block_table, seqused_k, num_splits, k_descale, v_descale):
+    """The Gluon FP8 decode's launch for this call (``Fp8DecodePlan``, whose rule needs an H200)."""
+    plan = hopper_fp8_launcher.Fp8DecodePlan(q, k, out, lse, params, block_table=block_table, seqused_k=seqused_k,
+                                             max_seqlen_k=0, num_splits=num_splits, fallback=None)
+    plan.fwd(k, v, q, *plan.new_workspace("cpu"), k_descale, v_descale, seqused_k, block_table)
+
+
+def hopper_fp8_cases():
+    """The Gluon FP8 decode (#19): serving.py's fp8 row (paged 16, GQA 32/8, bf16 q), pages of 256 with
+    GQA 8, a contiguous cache without GQA, speculative rows (causal, 2 rows x GQA 4) with fp16 q."""
+    g = torch.Generator().manual_seed(19)
+    cases = []
+    for name, page, sq, nheads, dtype, splits in (("paged 16 GQA 4", 16, 1, 32, torch.bfloat16, 0),
+                                                 ("paged 256 GQA 8", 256, 1, 64, torch.bfloat16, 3),
+                                                 ("contiguous GQA 1", 0, 1, 8, torch.bfloat16, 1),
+                                                 ("paged 16 speculative 2 rows causal GQA 4 fp16", 16, 2, 32,
+                                                  torch.float16, 0)):
+        q = torch.randn(4, sq, nheads, 128, generator=g).to(dtype)
+        if page:
+            k = torch.randn(64, page, 8, 128, generator=g).to(torch.float8_e4m3fn)
+            table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
+        else:
+            k, table = torch.randn(4, 512, 8, 128, generator=g).to(torch.float8_e4m3fn), None
+        descale = torch.rand(4, 8)
+        cases.append((f"hopper fp8 decode {name}", (q, k, k.clone(), torch.empty_like(q), torch.empty(4, nheads, sq),
+                                                    AttnParams(128**-0.5, -1, 0), table,
+                                                    torch.tensor([0, 17, 100, 128], dtype=torch.int32), splits,
+                                                    descale, descale.clone()), {}))
+    return cases
+
+
 def hopper_bwd_cases():
     """The Gluon backward through its launcher (dK/dV with dQ's reductions at head dim 128, else or when
     deterministic dK/dV then dQ): each head dim and 16-bit dtype, no mask, causal
@@ -514,6 +563,9 @@ def main() -> int:
     for name, tensors, kwargs in hopper_partials_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
+    for name, tensors, kwargs in hopper_fp8_cases():
+        todo += [(name, *launch) for launch in record_hopper(fp8_decode, decode_fp8_hopper,
+                                                             "_decode_fp8_hopper_kernel", *tensors, **kwargs)]
     for name, tensors, kwargs in hopper_bwd_cases():
         launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
                                  *tensors, **kwargs)
@@ -535,10 +587,14 @@ def main() -> int:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
             tile["BLOCK_C"] = args[2].block_shape[1]
-        gluon = fn in (attn_fwd_hopper._attn_fwd_hopper_kernel, attn_bwd_hopper._attn_bwd_hopper_kernel)
+        fp8 = fn is decode_fp8_hopper._decode_fp8_hopper_kernel
+        gluon = fp8 or fn in (attn_fwd_hopper._attn_fwd_hopper_kernel, attn_bwd_hopper._attn_bwd_hopper_kernel)
         try:
             compiled = (compile_gluon if gluon else compile_launch)(fn, args, kwargs)
             shared, usage = compiled.metadata.shared, registers(compiled)
+            if fp8:  # the FP8 decode's operand conversions: no shuffle but the softmax's reductions
+                counts, instructions = sass_counts(compiled)
+                usage += f" {' '.join(f'{op}={n}' for op, n in counts.items())} instr={instructions}"
             verdict = "ok" if shared <= SMEM_LIMIT else f"FAIL shared memory {shared} > {SMEM_LIMIT}"
             stack = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
             if gluon and stack > GLUON_STACK_LIMIT:  # the warp-specialised kernel's register split must hold

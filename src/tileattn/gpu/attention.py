@@ -17,7 +17,8 @@ Choices made here:
   speculative rows) with long ones (prefill chunks): two launches into the same outputs, the
   short sequences with the decode tile (split when asked) and the long ones with the prefill
   tile (never split; the combine skips their rows, marked in split 0's lse);
-* an FP8 cache (``k_descale``/``v_descale``): the same kernel with ``IS_FP8``;
+* an FP8 cache (``k_descale``/``v_descale``): the same kernel with ``IS_FP8``, or on Hopper the Gluon
+  FP8 decode (``gpu/hopper_fp8.py``) for the decoding calls its rule takes;
 * head dims above 256 (MLA's absorbed latent, q/k 576 and v 512): q/k's head dim as a power-of-two
   main part and a tail (``_split_head_dim``: 576 = 512 + 64, not padded to 1024), the key tile
   reused as the value tile when v is a view of k's leading columns (``V_IS_K``), and one fixed
@@ -42,6 +43,7 @@ from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       plan_for)
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
+from .hopper_fp8 import Fp8DecodePlan, hopper_fp8_decode_reason
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
 
 __all__ = ["attn_fwd", "plan_fwd", "plan_partials", "clear_plans", "FwdPlan"]
@@ -120,6 +122,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _TUNE_KEY = ["HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "MASK_LEFT", "MASK_RIGHT", "PACK_GQA", "IS_PAGED"]
 _PLANS: dict[tuple, "FwdPlan"] = {}
+_FP8_PLANS: dict[tuple, Fp8DecodePlan] = {}  # _fp8_plan's plans of the Gluon FP8 decode
 _FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's integers start here
 # where a call's own key strides and length go among them when the plan takes those per call
 _K_INTS = _attn_fwd_kernel.arg_names.index("stride_kb") - _FWD_FIRST_INT
@@ -224,6 +227,7 @@ def clear_plans() -> None:
     the launches ``prepare_fwd`` bound to plans go back to ``attn_fwd`` (``generation``)."""
     global generation
     _PLANS.clear()
+    _FP8_PLANS.clear()
     generation += 1
 
 
@@ -254,7 +258,12 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
         return
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
-    plan = plan_for(_PLANS, key, FwdPlan)
+    plan = None
+    if k_descale is not None:  # an FP8 cache: the Gluon decode on Hopper when its rule takes the call
+        plan = _fp8_plan(key, q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, max_seqlen_k, seqused_k,
+                         block_table, num_splits, learnable_sink, k_descale, v_descale)
+    if plan is None:
+        plan = plan_for(_PLANS, key, FwdPlan)
     plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
              learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
 
@@ -262,12 +271,36 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
 def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, block_table=None, num_splits=1,
              learnable_sink=None, k_descale=None) -> "FwdPlan":
-    """The plan of the portable kernel for these arguments (the Hopper kernel is never planned:
-    it takes no decoding shapes), for a caller that launches it many times itself
-    (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
+    """The plan of the portable kernel for these arguments (the Hopper forward is never planned:
+    it takes no decoding shapes), or over an FP8 cache the Gluon FP8 decode's (``Fp8DecodePlan``,
+    when ``hopper_fp8_decode_reason`` takes the call; the environment is read now), for a caller that
+    launches it many times itself (``tileattn.DecodePlan``): ``plan.run(q, k, v, out, lse, params, ...)``."""
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
+    if k_descale is not None:
+        plan = _fp8_plan(key, q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, max_seqlen_k, seqused_k,
+                         block_table, num_splits, learnable_sink, k_descale, k_descale)
+        if plan is not None:
+            return plan
     return plan_for(_PLANS, key, FwdPlan)
+
+
+def _fp8_plan(key, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, max_seqlen_k: int, seqused_k,
+              block_table, num_splits: int, learnable_sink, k_descale, v_descale) -> Fp8DecodePlan | None:
+    """The Gluon FP8 decode's plan of this call (kept per ``key``, the cache's shape and strides and
+    the softmax scale, which its launch holds), or None where ``hopper_fp8_decode_reason`` declines."""
+    if hopper_fp8_decode_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=cu_seqlens_q is not None,
+                                block_table=block_table, learnable_sink=learnable_sink, k_descale=k_descale,
+                                v_descale=v_descale) is not None:
+        return None
+    fp8_key = (key, k.shape, k.stride(), v.stride(), params.softmax_scale)
+    plan = _FP8_PLANS.get(fp8_key)
+    if plan is None:
+        plan = _FP8_PLANS[fp8_key] = Fp8DecodePlan(
+            q, k, out, lse, params, block_table=block_table, seqused_k=seqused_k,
+            max_seqlen_k=_bound(max_seqlen_k) if block_table is not None else 0, num_splits=num_splits,
+            fallback=lambda: plan_for(_PLANS, key, FwdPlan))
+    return plan
 
 
 def plan_partials(q, k, v, *, params: AttnParams, max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table,
@@ -283,8 +316,9 @@ def plan_partials(q, k, v, *, params: AttnParams, max_seqlen_q: int, max_seqlen_
         return HopperPartials(hopper_partials_splits(q, k, max_seqlen_k), max_seqlen_k)
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    plan = plan_fwd(q, k, v, out, lse, params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                    seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, k_descale=k_descale)
+    key = _plan_key(q, k, v, out, lse, params, None, None, None, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                    num_splits, None, k_descale)
+    plan = plan_for(_PLANS, key, FwdPlan)  # the portable kernel's (the Gluon FP8 decode takes few rows)
     return plan if plan.workspace_shapes is not None else None
 
 

@@ -242,7 +242,8 @@ def _operands_reason(q, k, v) -> str | None:
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).removeprefix("torch.")))
+    name = "float8e4nv" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")  # an FP8 cache
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, name))
 
 
 class GluonLaunch:

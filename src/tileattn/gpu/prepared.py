@@ -41,6 +41,8 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     plan = A.plan_fwd(q, k, v, out, lse, params=params, alibi_slopes=alibi_slopes, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
                       num_splits=num_splits, learnable_sink=learnable_sink, k_descale=k_descale)
+    if not isinstance(plan, A.FwdPlan):  # the Gluon FP8 decode's plan: per call (attn_fwd asks its rule)
+        return None
     if plan.long is not None or by_shape and plan.fwd is None:  # a mixed batch, a tile still to tune: per call
         return None
     # out like q when q is contiguous and as wide as v (torch.empty_like: no shape to parse)
