@@ -384,16 +384,6 @@ def hopper_cases():
     return cases
 
 
-def hopper_tma_store_cases():
-    """The forward's output through TMA copies at head dim 128, which the launcher's rule leaves
-    out (``TMA_STORE_HEAD_DIMS``: it spills per work item) but a GPU comparison may turn on: it
-    must keep compiling, within shared memory and the stack limit."""
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2, 300, 8, 128, generator=g).to(torch.bfloat16) for _ in range(3))
-    return [(f"hopper d128 window (-1, {right}) TMA store", (q, k, v, torch.empty_like(q), torch.empty(2, 8, 300)),
-             dict(params=AttnParams(128**-0.5, -1, right))) for right in (-1, 0)]
-
-
 def hopper_partials_cases():
     """The Gluon forward's split partials over a paged pool (a cascade's prefix): 16- and
     256-key pages, the query heads of a KV head packed as rows (GQA 4 and MQA 8), each head dim."""
@@ -550,16 +540,6 @@ def main() -> int:
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
-    tma_dims = hopper_launcher.TMA_STORE_HEAD_DIMS
-    hopper_launcher.TMA_STORE_HEAD_DIMS = (*tma_dims, 128)
-    try:
-        for name, tensors, kwargs in hopper_tma_store_cases():
-            launches = record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper, "_attn_fwd_hopper_kernel",
-                                     *tensors, **kwargs)
-            assert all(launch[2]["TMA_STORE"] for launch in launches), f"{name}: the rule did not take the TMA store"
-            todo += [(name, *launch) for launch in launches]
-    finally:
-        hopper_launcher.TMA_STORE_HEAD_DIMS = tma_dims
     for name, tensors, kwargs in hopper_partials_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]

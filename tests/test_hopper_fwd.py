@@ -293,8 +293,7 @@ def _tma_store_taken(q, k, v, out, params) -> bool:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q", [1000, 300])
 def test_hopper_tma_store_walks_many_items(monkeypatch, head_dim, causal, seqlen_q):
-    """The output through TMA copies (at head dim 128 turned on as a comparison would): 3 programs
-    walk 2 x 8 x 8 or 3 items each (persistent, causal too), so each warpgroup's staging tile is
+    """The output through TMA copies: 3 programs walk 2 x 8 x 8 or 3 items each (persistent, causal too), so each warpgroup's staging tile is
     written again once its last copy has read it; the rows past 1000 (or 300) are clipped. Equal to
     the reference, and bitwise to the store from registers."""
     from tileattn.gpu import hopper
@@ -302,7 +301,6 @@ def test_hopper_tma_store_walks_many_items(monkeypatch, head_dim, causal, seqlen
     monkeypatch.setattr(hopper, "_sms", lambda q: 3)
     monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
     monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)
-    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
     gen = torch.Generator().manual_seed(seqlen_q + head_dim)
     q = torch.randn(2, seqlen_q, 8, head_dim, generator=gen).to(torch.bfloat16).cuda()
     assert _tma_store_taken(q, q, q, torch.empty_like(q), AttnParams(head_dim**-0.5, -1, 0 if causal else -1))

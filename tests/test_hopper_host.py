@@ -246,20 +246,18 @@ def _assert_out_descriptor(args, out):
 
 
 def test_tma_store_head_dims():
-    """hdim 64 stores through TMA; 128 is left out until a GPU compares it (it spills per item,
-    tests/hopper_compile.py); 256's staging tiles would not fit in shared memory."""
-    assert hopper.TMA_STORE_HEAD_DIMS == (64,)
-    assert 256 not in hopper.TMA_STORE_HEAD_DIMS
+    """hdims 64 and 128 store through TMA (both measured faster on the H200); 256's staging tiles
+    would not fit in shared memory."""
+    assert hopper.TMA_STORE_HEAD_DIMS == (64, 128)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q", [256, 1000])
-def test_dense_forward_stores_through_tma(monkeypatch, fwd_launches, head_dim, causal, seqlen_q):
-    """A dense 16-bit call at head dims 64 and 128 (128 as a GPU comparison would turn it on): the
-    ``TMA_STORE`` flag and a descriptor of ``out`` (B, S, H, D); at 1000 rows, not a multiple of
-    64, the descriptor's row bound is 1000, so the last warpgroup's rows 1000-1023 are clipped."""
-    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
+def test_dense_forward_stores_through_tma(fwd_launches, head_dim, causal, seqlen_q):
+    """A dense 16-bit call at head dims 64 and 128: the ``TMA_STORE`` flag and a descriptor of
+    ``out`` (B, S, H, D); at 1000 rows, not a multiple of 64, the descriptor's row bound is 1000,
+    so the last warpgroup's rows 1000-1023 are clipped."""
     q, k, v = _dense(2, seqlen_q, 4, head_dim)
     out, lse = torch.empty_like(q), torch.empty(2, 4, seqlen_q)
     hopper.hopper_attn_fwd(q, k, v, out, lse, params=AttnParams(head_dim**-0.5, -1, 0 if causal else -1))
@@ -289,13 +287,13 @@ def _store_from_registers(launch, out):
     assert not constexprs["TMA_STORE"] and args[3] is None and args[4] is out
 
 
-@pytest.mark.parametrize("case", ["hdim 128", "hdim 256", "fp32 out", "fp16 out for bf16", "head stride of 136 bytes",
+@pytest.mark.parametrize("case", ["hdim 256", "fp32 out", "fp16 out for bf16", "head stride of 136 bytes",
                                   "unit stride not last"])
 def test_dense_forward_stores_from_registers(fwd_launches, case):
     """Dense calls the rule leaves out store from registers, with None for the descriptor: head
-    dims 128 (``TMA_STORE_HEAD_DIMS``) and 256 (its staging tiles would not fit), an out of
-    another dtype, strides a descriptor cannot take."""
-    head_dim = {"hdim 128": 128, "hdim 256": 256}.get(case, 64)
+    dim 256 (its staging tiles would not fit), an out of another dtype, strides a descriptor
+    cannot take."""
+    head_dim = 256 if case == "hdim 256" else 64
     q, k, v = _dense(1, 256, 2, head_dim)
     out = {"fp32 out": torch.empty(q.shape), "fp16 out for bf16": torch.empty(q.shape, dtype=torch.float16),
            "head stride of 136 bytes": torch.empty(1, 256, 2, 68, dtype=torch.bfloat16)[..., :64],
@@ -323,10 +321,9 @@ def test_kept_forward_falls_back_for_an_unaligned_out(fwd_launches):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_varlen_forward_stores_from_registers(monkeypatch, fwd_launches, head_dim):
+def test_varlen_forward_stores_from_registers(fwd_launches, head_dim):
     """Packed sequences store from registers: a tile past a sequence's end would overwrite the next
     sequence's rows (TMA clips only at the packed tensor's bounds)."""
-    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
     q, k, v = (torch.randn(600, 4, head_dim).to(torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 250, 600], dtype=torch.int32)
     out = torch.empty_like(q)
@@ -338,10 +335,9 @@ def test_varlen_forward_stores_from_registers(monkeypatch, fwd_launches, head_di
 
 
 @pytest.mark.parametrize("head_dim, group, splits", [(64, 4, 4), (64, 1, 1), (128, 8, 2)])
-def test_partials_store_from_registers(monkeypatch, fwd_launches, head_dim, group, splits):
+def test_partials_store_from_registers(fwd_launches, head_dim, group, splits):
     """Split partials over a paged pool (QPACK query heads a row group, fp32 partials laid out
     (splits, 1, rows, heads, dim)) store from registers, one split or several."""
-    monkeypatch.setattr(hopper, "TMA_STORE_HEAD_DIMS", (64, 128))
     q = torch.randn(1, 64, 8, head_dim).to(torch.bfloat16)
     pool = torch.randn(40, 16, 8 // group, head_dim).to(torch.bfloat16)
     table = torch.randperm(40)[:32].view(1, 32).to(torch.int32)

@@ -23,7 +23,7 @@ kept launch whose ``out`` is not 16-byte aligned (``HopperFwd``). Two staging ti
 KB, past the 227 KB a block may use). At hdim 128 the staging store costs registers: compiled for
 sm_90 its consumers keep 112-120 bytes of per-item values on the stack against 16-40 without (none
 in the key-tile loop; at hdim 64 the stack shrinks, 80 -> 40 bytes unmasked, 0 causal; table in
-docs/perf-notes.md, 2026-12-01 #16), so only hdim 64 takes it until a GPU measures 128 both ways.
+docs/perf-notes.md, 2026-12-01 #16); measured both ways on the H200, 128 gains all the same.
 Registers: the kernel runs 12 warps (3 warpgroups), so at most
 ``MAXNREG`` = 168 per thread on average; the producer gives back all but ``PRODUCER_REGS`` and
 each consumer thread gets ``CONSUMER_REGS`` (2 x 128 x 240 + 128 x 24 <= 168 x 384).
@@ -46,9 +46,10 @@ __all__ = ["hopper_fwd_reason", "fwd_signature_reason", "call_reason", "hopper_a
            "hopper_attn_partials", "HopperPartials", "HOPPER_TILES"]
 
 HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
-# The head dims whose output tiles go through shared memory (module docstring); 128 compiles too (spilling
-# per work item), 256 does not fit.
-TMA_STORE_HEAD_DIMS = (64,)
+# The head dims whose output tiles go through shared memory (module docstring); 256's staging tiles do not
+# fit. Measured on the H200 (docs/perf-notes.md, 2026-12-01 14:45): hdim 128 +6 to +10 % at 2k, +2 to +3 %
+# at 8k over the register stores (with Q_EARLY), despite the stack it takes per work item.
+TMA_STORE_HEAD_DIMS = (64, 128)
 # The head dims whose consumers release Q after an item's last S product (``Q_EARLY``), so that the next
 # item's loads overlap its last P V product and epilogue. Measured on the H200 (docs/perf-notes.md,
 # 2026-12-01 14:40, forward alone, two alternating runs): hdim 128 +0.2 to +4.9 % at 2k, -1.8 to +2.8 %
