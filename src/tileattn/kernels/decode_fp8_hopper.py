@@ -8,8 +8,8 @@ here at most ``N_Q`` = 8) and many keys, so the keys are wgmma's M dimension and
 
 The K and V tiles land by TMA as fp8 bytes (``attn_fwd_hopper``'s producer copy ``_copy_kv``: one copy
 per page of a paged pool, or one per tile of a contiguous cache) and are turned into fp16 wgmma A
-operands in registers, with no shuffle and no shared-memory round trip (the spike of issue #19,
-docs/perf-notes.md):
+operands in registers, with no shuffle and no shared-memory round trip (each first built alone for
+issue #19: tests/hopper_fp8_operands.py, docs/perf-notes.md):
 
 * K (``_k_operand``): read in the FP8 dot-operand layout (k_width 4), converted (F2FP), and relabelled
   along the reduction index (``_relabel_k``) so that ``convert_layout(..., assert_trivial=True)`` into
@@ -58,8 +58,9 @@ BLOCK_N: gl.constexpr = gl.constexpr(128)  # keys per ring slot: two warpgroups'
 def _permuted_a_layout():
     """A load layout for the fp8 [64, 128] K tile: the linear layout of the fp16 A operand (4 warps,
     k_width 2) with its column bases mapped through the relabelling kk -> c (kk = 16 blk + 8 jh +
-    2 t + jl  ->  c = 16 blk + 4 t + 2 jh + jl), written out by hand (the spike's mechanism (b);
-    the kernel reads K in the FP8 dot-operand layout, which compiles to the same SASS)."""
+    2 t + jl  ->  c = 16 blk + 4 t + 2 jh + jl), written out by hand (mechanism (b) of
+    tests/hopper_fp8_operands.py; the kernel reads K in the FP8 dot-operand layout, which compiles
+    to the same SASS)."""
     # fp16 A layout of wgmma m64 x k16 per warpgroup, 128 columns (8 k-steps), rows 64:
     #   register bits: kk bit 0 (jl), row bit 3 (+8), kk bit 3 (jh), then kk bits 4, 5, 6 (blk)
     #   lane bits: kk bits 1, 2 (t), row bits 0, 1, 2 (g); warp bits: row bits 4, 5

@@ -1,6 +1,7 @@
-"""Spike for issue #19 (not production code, not wired into any dispatch): can Gluon feed an FP8 e4m3
-tile from shared memory to ``warpgroup_mma`` as an fp16 *register* A operand with no shared-memory
-round trip and no shuffle, by permuting the reduction index?  See docs/perf-notes.md, "Spike, offline".
+"""The Gluon FP8 decode's operand conversions (issue #19), each in a minimal kernel of its own, with
+the helpers of kernels/decode_fp8_hopper.py: Gluon feeds an FP8 e4m3 tile from shared memory to
+``warpgroup_mma`` as an fp16 *register* A operand with no shared-memory round trip and no shuffle, by
+permuting the reduction index (docs/perf-notes.md, "Spike, offline", where they were first built).
 
 Item 2, ``st_kernel``: S^T = K Q^T for one [64 keys, 128 d] fp8 K tile (TMA into shared memory) and
 Q^T [128, 8] fp16 (Q: 8 rows, d contiguous).
@@ -46,7 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-# the helpers live in the kernel that uses them (kernels/decode_fp8_hopper.py); the spike's kernels test them alone
+# the helpers live in the kernel that uses them (kernels/decode_fp8_hopper.py); these kernels test them alone
 from tileattn.kernels.decode_fp8_hopper import (HEAD_DIM, KEYS, N_Q, PERMUTED_A, V_LOAD, _logical_col,  # noqa: F401
                                                 _physical_d, _relabel_d, _relabel_k, _transpose_convert)
 
@@ -217,6 +218,6 @@ def offline_report():
     return out
 
 
-if __name__ == "__main__":  # python tests/fp8_operands_spike.py: the offline sm_90 report
+if __name__ == "__main__":  # python tests/hopper_fp8_operands.py: the offline sm_90 report
     for name, result in offline_report().items():
         print(name, result, flush=True)

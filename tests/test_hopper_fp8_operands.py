@@ -1,4 +1,5 @@
-"""The #19 spike (tests/fp8_operands_spike.py): fp8 K and V tiles as fp16 register A operands of wgmma.
+"""The Gluon FP8 decode's operand conversions alone (tests/hopper_fp8_operands.py, #19): fp8 K and V
+tiles as fp16 register A operands of wgmma.
 
 On the GPU (marker ``gpu``): S^T = K Q^T and O^T = V^T P^T against torch, with random values
 (fp32 accumulation in another order than torch's: atol = rtol = 1e-4, where a wrong column
@@ -31,11 +32,11 @@ def _all_bytes_tile(seed):
 # ------------------------------------------------------------------ index algebra, no GPU
 
 
-def _logical_col(kk):  # mirrors fp8_operands_spike._logical_col
+def _logical_col(kk):  # mirrors hopper_fp8_operands._logical_col
     return (kk // 16) * 16 + ((kk // 2) % 4) * 4 + ((kk // 8) % 2) * 2 + kk % 2
 
 
-def _physical_d(dl):  # mirrors fp8_operands_spike._physical_d
+def _physical_d(dl):  # mirrors hopper_fp8_operands._physical_d
     bits = (2, 3, 4, 0, 5, 6, 1)
     return sum(((dl >> i) & 1) << b for i, b in enumerate(bits))
 
@@ -64,10 +65,10 @@ def test_v_transpose_and_d_relabelling():
     assert torch.equal(vt, v.T[_physical_d(dl)])
 
 
-def test_spike_compiles_for_hopper_without_shuffles():
+def test_operands_compile_for_hopper_without_shuffles():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(HERE / "fp8_operands_spike.py")], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, str(HERE / "hopper_fp8_operands.py")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     lines = dict(line.split(" (", 1) for line in run.stdout.splitlines() if " (" in line)
@@ -80,17 +81,17 @@ def test_spike_compiles_for_hopper_without_shuffles():
 # ------------------------------------------------------------------ the GPU
 
 
-def _spike():
+def _operands():
     sys.path.insert(0, str(HERE))
-    import fp8_operands_spike
+    import hopper_fp8_operands
 
-    return fp8_operands_spike
+    return hopper_fp8_operands
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mech", [0, 1, 2, 3])
 def test_st_random(mech):
-    sp = _spike()
+    sp = _operands()
     g = torch.Generator().manual_seed(mech)
     k = torch.randn(64, 128, generator=g).to(torch.float16 if mech == 3 else torch.float8_e4m3fn)
     q = torch.randn(8, 128, generator=g).to(torch.float16)
@@ -101,7 +102,7 @@ def test_st_random(mech):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mech", [1, 2])
 def test_st_every_byte_exact(mech):
-    sp = _spike()
+    sp = _operands()
     k = _all_bytes_tile(mech)
     for first in range(0, 128, 8):  # Q's row n picks K's column first + n
         q = torch.zeros(8, 128, dtype=torch.float16)
@@ -112,7 +113,7 @@ def test_st_every_byte_exact(mech):
 
 @pytest.mark.gpu
 def test_ot_random():
-    sp = _spike()
+    sp = _operands()
     g = torch.Generator().manual_seed(7)
     v = torch.randn(64, 128, generator=g).to(torch.float8_e4m3fn)
     p = torch.rand(8, 64, generator=g).to(torch.float16)
@@ -122,7 +123,7 @@ def test_ot_random():
 
 @pytest.mark.gpu
 def test_ot_every_byte_exact():
-    sp = _spike()
+    sp = _operands()
     v = _all_bytes_tile(11)
     for first in range(0, 64, 8):  # P's row n picks V's key first + n
         p = torch.zeros(8, 64, dtype=torch.float16)
