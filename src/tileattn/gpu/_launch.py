@@ -30,6 +30,8 @@ the C launcher (the wrapper's ``launcher``) with the same arguments the wrapper 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
@@ -123,6 +125,17 @@ def config_options(config) -> dict:
     """The launch options of an autotuner config (num_warps, num_stages, ...), as the autotuner
     passes them, without its constexprs."""
     return {name: value for name, value in config.all_kwargs().items() if name not in config.kwargs}
+
+
+def partials_workspace(workspace_shapes: tuple, device) -> tuple:
+    """fp32 buffers for split partial states (o, lse) of ``workspace_shapes`` (o's shape, lse's):
+    contiguous views of one allocation (an eager decoding call pays each allocation on the host),
+    the lse part starting on a 128-byte boundary."""
+    o_shape, l_shape = workspace_shapes
+    o_numel, l_numel = math.prod(o_shape), math.prod(l_shape)
+    start = cdiv(o_numel, 32) * 32
+    buf = torch.empty(start + l_numel, device=device, dtype=torch.float32)
+    return buf[:o_numel].view(o_shape), buf[start:].view(l_shape)
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:

@@ -30,7 +30,6 @@ Choices made here:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -41,7 +40,7 @@ from ..kernels.combine import UNSPLIT_MARK, _combine_kernel
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
-                      plan_for)
+                      partials_workspace, plan_for)
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper_fp8 import Fp8DecodePlan, hopper_fp8_decode_reason
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
@@ -278,6 +277,8 @@ def plan_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None, cu_seq
     key = _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, num_splits, learnable_sink, k_descale)
     if k_descale is not None:
+        # v's descale is not an argument here: the rule asks only whether both are given, and the
+        # caller (``DecodePlan``) has checked v's with k's
         plan = _fp8_plan(key, q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, max_seqlen_k, seqused_k,
                          block_table, num_splits, learnable_sink, k_descale, k_descale)
         if plan is not None:
@@ -600,16 +601,9 @@ class FwdPlan:
                  k_descale=k_descale, v_descale=v_descale, combine=False)
 
     def new_workspace(self, device) -> tuple | None:
-        """fp32 buffers for the split partial states (o, lse), or None without splits: contiguous
-        views of one allocation (an eager decoding call pays each allocation on the host), the
-        lse part starting on a 128-byte boundary."""
-        if self.workspace_shapes is None:
-            return None
-        o_shape, l_shape = self.workspace_shapes
-        o_numel, l_numel = math.prod(o_shape), math.prod(l_shape)
-        start = cdiv(o_numel, 32) * 32
-        buf = torch.empty(start + l_numel, device=device, dtype=torch.float32)
-        return buf[:o_numel].view(o_shape), buf[start:].view(l_shape)
+        """fp32 buffers for the split partial states (o, lse) (``partials_workspace``), or None
+        without splits."""
+        return None if self.workspace_shapes is None else partials_workspace(self.workspace_shapes, device)
 
     def _use_config(self, config: triton.Config) -> None:
         self.fwd = launch_for(_attn_fwd_kernel, dict(self.flags, **config.kwargs), config_options(config),

@@ -27,8 +27,8 @@ import torch
 
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
-from ._launch import cdiv, contiguous_strides
-from .hopper import GluonLaunch, _pointers_reason, _sms, _strides_reason, device_reason, options_reason, switch_reason
+from ._launch import cdiv, contiguous_strides, partials_workspace
+from .hopper import GluonLaunch, _pointers_reason, _sms, _strides_reason, call_reason, device_reason, options_reason
 
 __all__ = ["hopper_fp8_decode_reason", "fp8_decode_splits", "Fp8DecodePlan", "FP8_DECODE_STAGES", "N_Q"]
 
@@ -128,20 +128,15 @@ class Fp8DecodePlan:
         self.fallback, self._fallback_plan = fallback, None
 
     def new_workspace(self, device) -> tuple:
-        """fp32 buffers for the partial states (o, lse), contiguous views of one allocation."""
-        o_shape, l_shape = self.workspace_shapes
-        o_numel = o_shape[0] * o_shape[1] * o_shape[2] * o_shape[3] * o_shape[4]
-        start = cdiv(o_numel, 32) * 32
-        buf = torch.empty(start + l_shape[0] * l_shape[1] * l_shape[2] * l_shape[3], device=device,
-                          dtype=torch.float32)
-        return buf[:o_numel].view(o_shape), buf[start:].view(l_shape)
+        """fp32 buffers for the partial states (o, lse) (``partials_workspace``)."""
+        return partials_workspace(self.workspace_shapes, device)
 
     def run(self, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
             block_table, workspace: tuple | None = None, learnable_sink=None, k_descale=None, v_descale=None,
             combine: bool = True) -> None:
         """Launch on one call's tensors (the plan's signature; ``workspace`` shaped ``workspace_shapes``
         or None), then merge the partials into ``out``/``lse`` (``combine=False`` leaves them)."""
-        if switch_reason() is not None or _pointers_reason(k, v) is not None:
+        if call_reason(k, v) is not None:
             if self._fallback_plan is None:
                 self._fallback_plan = self.fallback()
             self._fallback_plan.run(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
