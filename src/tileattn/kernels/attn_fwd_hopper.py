@@ -20,7 +20,9 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
   stride of the grid size, in the order of ``_work`` (heaviest causal blocks first across a group
   of heads): one program per SM (persistent, the next item's copies overlap the last one's
   epilogue) when items cost the same or the launcher finds the order balanced enough, one
-  program per item otherwise.
+  program per item otherwise. With ``DYNAMIC`` (dense causal calls on a persistent grid) a program
+  takes its next item from a per-call atomic counter instead: the next free program gets the next
+  item of the order (the kernel's docstring).
 
 The output: with ``TMA_STORE`` (dense calls, ``QPACK`` 1, one split: the launcher's rule) each
 consumer warpgroup writes its normalised tile to a shared-memory staging tile of its own and hands it
@@ -506,7 +508,43 @@ def _attn_fwd_hopper_kernel(
 
     ``TMA_STORE``: ``o_desc`` (None without it) is a descriptor of ``Out`` (B, S, H, D) read in
     [1, 64, 1, D] tiles, and each consumer warpgroup stores its output tile through a staging
-    tile of its own (``_consumer``); the launcher sets it for dense calls only."""
+    tile of its own (``_consumer``); the launcher sets it for dense calls only.
+
+    ``DYNAMIC`` (dense rows; ``Counter`` an int32 that is 0 when the launch starts, None without
+    it): program pid's first item is pid; each later one is ``P + atomic_add(Counter, 1)``, fetched
+    by the producer once it has issued the current item's last K/V copy (the consumers are then
+    ``STAGES`` tiles from its end: the atomic's latency hides behind them, and the claim comes
+    late enough for the order to be served nearly greedily: docs/perf-notes.md's model). The
+    producer hands the index to the consumer warpgroups through ``slots`` (int32 [2, 1] in shared
+    memory, one per warpgroup): after its wait on ``q_empty[wg]`` it writes ``slots[wg]``, then
+    starts ``q_full[wg]``'s phase (``expect``, an arrive with release semantics, then the Q copy);
+    the warpgroup waits on that phase (acquire) and reads the slot, then computes ``_work`` of the
+    index. An index >= the item count ends the program: the producer, after ``q_empty[wg]``,
+    writes it to both slots and arrives on ``q_full[wg]`` without a copy; each consumer reads it
+    after its last epilogue and leaves its loop, and the producer has left its own.
+
+    Why this cannot deadlock, nor hand out an item twice or never:
+    * The atomic returns each value once, so items P, P + 1, ... go to one program each, and
+      every program fetches until it gets an index >= items: every item runs, once.
+    * Within a program the three partitions walk the same items: the producer writes the same
+      index to both slots, and a consumer takes its j-th item from the j-th phase of its
+      ``q_full``. So each consumer consumes exactly the K/V copies the producer issues, in the
+      same ring order, as in the static schedule (whose barrier protocol is unchanged).
+    * A slot is written again only after ``q_empty[wg]`` of the item it holds has completed, and
+      a consumer arrives there only after reading the slot (the index drives the whole item), so
+      no index is overwritten unread. The producer's lanes all write the slot, then the warp's
+      barrier, then one lane's release-arrive: the consumers' acquire-wait sees the value.
+    * The end: each consumer arrives on ``q_empty`` once per item (before its epilogue, with or
+      without ``Q_EARLY``), so the producer's last wait on it completes; its arrive on ``q_full``
+      then completes the phase (count 1, no bytes expected); each consumer waits for it after its
+      last epilogue, reads the end index and leaves. No copy is left in flight (every K/V tile
+      issued was consumed; the output copies are waited for by ``tma.store_wait``), and no
+      partition waits on another after the end signal.
+    * A program whose id is >= items (the launcher makes none) posts the end at once.
+
+    The counter is a fresh zeroed tensor per launch (``gpu/hopper.py``'s ``_item_counter``), not
+    one kept by the launcher and reset by the kernel's last program: two launches in flight on two
+    streams would share such a counter."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
