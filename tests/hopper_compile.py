@@ -550,7 +550,7 @@ def main() -> int:
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
-    if not any(launch[2]["DYNAMIC"] for launch in todo):  # the rule moved: the flag would go uncompiled
+    if not any(launch[3]["DYNAMIC"] for launch in todo):  # the rule moved: the flag would go uncompiled
         print("FAIL no forward case compiles the dynamic schedule (DYNAMIC)")
         failures += 1
     for name, tensors, kwargs in hopper_partials_cases():

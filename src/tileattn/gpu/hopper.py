@@ -10,7 +10,9 @@ pointers' alignment) on every call, and keeps its launch (``HopperFwd``, ``Gluon
 Work items of 128 query rows, each computed by two consumer warpgroups of 64 rows and one
 producer warp (``kernels/attn_fwd_hopper.py``): one program per SM walks them when they cost
 the same (dense, no mask) and for dense causal calls whose grouped work order holds enough
-(sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item.
+(sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item. Dense
+causal calls on a persistent grid take their items dynamically from a per-call counter (``DYNAMIC``,
+``_causal_grid``, ``_item_counter``), which also brings groups of ``DYNAMIC_MIN_GROUP`` pairs onto it.
 Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
 2 x 2 x 32 KB = 192 KB. The output goes through shared memory and one asynchronous TMA copy per
