@@ -83,6 +83,33 @@ def test_generate_benchmark_gives_sdpa_tokens(tmp_path):
     assert tile and tile[0]["same_tokens"] == "100%" and float(tile[0]["tokens_per_s"]) > 0
 
 
+def test_ab_runs_every_arm_in_every_round(tmp_path):
+    """ab.py: each round runs each arm in a process of its own with its constants set (here the Hopper
+    store rule, which the CPU path does not read: the outputs are the same, the rows say which ran)."""
+    src = str(BENCHMARKS.parent / "src")
+    rows = run_smoke("ab.py", tmp_path, extra=("--arm", f"plain={src}", "--arm",
+                                               f"set={src}:tileattn.gpu.hopper.TMA_STORE_HEAD_DIMS=(64,)",
+                                               "--rounds", "2", "--backward"))
+    assert sorted((r["arm"], r["round"], r["causal"]) for r in rows) == sorted(
+        (arm, str(n), causal) for arm in ("plain", "set") for n in range(2) for causal in ("False", "True"))
+    settings = {r["settings"] for r in rows if r["arm"] == "set"}
+    assert settings == {"[('tileattn.gpu.hopper', 'TMA_STORE_HEAD_DIMS', (64,))]"}  # a tuple stays a tuple
+    assert all(float(r["fwd_tflops"]) > 0 and float(r["anchor_fwd_tflops"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("arm, message", [("nofolder=/no/such/folder", "is not a folder"),
+                                          ("x=src:tileattn.gpu.hopper.NOT_THERE=1", "has no NOT_THERE"),
+                                          ("x=src:TMA_STORE_HEAD_DIMS=(64,)", "is not module.ATTR=LITERAL"),
+                                          ("x=src:tileattn.gpu.hopper.TMA_STORE_HEAD_DIMS=sixty",
+                                           "is not a Python literal")])
+def test_ab_refuses_a_bad_arm(tmp_path, arm, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ab.py"), "--smoke", "--device", "cpu",
+                           "--out", str(tmp_path), "--arm", f"ok={BENCHMARKS.parent / 'src'}", "--arm", arm,
+                           "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent)
+    assert message in proc.stdout + proc.stderr, proc.stdout[-1500:] + proc.stderr[-1500:]
+
+
 def test_cpu_overhead_script_runs():
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "overhead_cpu.py"), "--calls", "3", "--rounds", "1"],
                           capture_output=True, text=True, timeout=300)
