@@ -361,7 +361,7 @@ def must_not_spill(fn, meta) -> bool:
 def hopper_cases():
     """The Gluon forward through its launcher: every head dim and 16-bit dtype, each mask flag,
     dense (the output through TMA copies at ``TMA_STORE_HEAD_DIMS``) and packed, GQA, learnable
-    sinks."""
+    sinks, and dense causal calls on the dynamic schedule (``DYNAMIC``)."""
     g = torch.Generator().manual_seed(2)
     cases = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -381,6 +381,16 @@ def hopper_cases():
                 name = (f"hopper {dtype} d{d} window ({left}, {right}){' varlen' if varlen else ''}"
                         f"{' sink' if 'learnable_sink' in kwargs else ''}")
                 cases.append((name, (q, k, v, torch.empty_like(q), lse), kwargs))
+    # the dynamic schedule (DYNAMIC): dense causal, 9 query blocks x 16 pairs = 144 items over the 132
+    # programs the launcher assumes off the GPU, groups of 16 pairs; GQA 4; sinks at head dim 128
+    for d in hopper_launcher.HOPPER_TILES:
+        q = torch.randn(2, 1100, 8, d, generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(2, 1100, 2, d, generator=g).to(torch.bfloat16) for _ in range(2))
+        kwargs = dict(params=AttnParams(d**-0.5, -1, 0))
+        if d == 128:
+            kwargs.update(learnable_sink=torch.randn(8, generator=g))
+        cases.append((f"hopper torch.bfloat16 d{d} causal dynamic{' sink' if d == 128 else ''}",
+                      (q, k, v, torch.empty_like(q), torch.empty(2, 8, 1100)), kwargs))
     return cases
 
 
@@ -540,6 +550,9 @@ def main() -> int:
     for name, tensors, kwargs in hopper_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_fwd, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
+    if not any(launch[3]["DYNAMIC"] for launch in todo):  # the rule moved: the flag would go uncompiled
+        print("FAIL no forward case compiles the dynamic schedule (DYNAMIC)")
+        failures += 1
     for name, tensors, kwargs in hopper_partials_cases():
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
@@ -564,7 +577,8 @@ def main() -> int:
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
     for name, fn, args, kwargs in todo:
-        tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))}
+        tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
+                or (k == "DYNAMIC" and v)}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
             tile["BLOCK_C"] = args[2].block_shape[1]
         fp8 = fn is decode_fp8_hopper._decode_fp8_hopper_kernel

@@ -344,3 +344,120 @@ def test_hopper_tma_store_into_views(view):
         assert buf[..., 64:].isnan().all()
     if view == "rows of a longer one":
         assert buf[:, :100].isnan().all() and buf[:, 400:].isnan().all()
+
+
+def _dynamic_taken(q, k, params, sink=None) -> bool:
+    """Whether the launcher runs this dense call on the dynamic schedule (``DYNAMIC``; worked out, not run)."""
+    from tileattn.gpu.hopper import HopperFwd
+
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    return HopperFwd(params)._launch(q, k, k, torch.empty_like(q), lse, sink, None).constexprs["DYNAMIC"]
+
+
+@pytest.mark.parametrize("head_dim, seqlen, nheads_k, sms, sink", [
+    (128, 1000, 2, 7, False),  # GQA 4: 2 x 8 x 8 = 128 items over 7 programs
+    (128, 2048, 8, 3, False),  # MHA, 16 blocks a pair: 256 items over 3 programs
+    (64, 1000, 8, 5, True),  # sinks
+    (64, 777, 1, 11, False),  # MQA, the last block part-filled
+    (256, 1000, 4, 7, False),
+    (128, 300, 8, 13, False),  # 3 blocks a pair: 48 items, more programs than items a group
+])
+def test_hopper_dynamic_schedule(monkeypatch, head_dim, seqlen, nheads_k, sms, sink):
+    """The dynamic schedule (``DYNAMIC``): few programs (``_sms``) fetch many items each from the
+    counter. Equal to the reference, and bitwise to the static persistent round-robin over the same
+    grid (each item's arithmetic does not depend on which program runs it, nor when)."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setattr(hopper, "_sms", lambda q: sms)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
+    params = AttnParams(head_dim**-0.5, -1, 0)
+    q = torch.empty(2, seqlen, 8, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(2, seqlen, nheads_k, head_dim, dtype=torch.bfloat16, device="cuda")
+    assert _dynamic_taken(q, k, params), "the call does not take the dynamic schedule"
+    seed = head_dim + seqlen + sms
+    out, lse = _run(seed, 2, seqlen, seqlen, 8, nheads_k, head_dim, torch.bfloat16, causal=True, sink=sink)
+    monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", False)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)  # the same persistent grid, static
+    assert not _dynamic_taken(q, k, params)
+    static, lse_static = _run(seed, 2, seqlen, seqlen, 8, nheads_k, head_dim, torch.bfloat16, causal=True, sink=sink)
+    assert torch.equal(out, static) and torch.equal(lse, lse_static)
+
+
+def test_hopper_dynamic_schedule_at_the_benchmark_shape():
+    """hdim 128, causal, 2k, 16k tokens: the real grid (one program per SM) and counter, bitwise equal
+    to the static schedule."""
+    from tileattn.gpu import hopper
+
+    gen = torch.Generator().manual_seed(77)
+    q, k, v = (torch.randn(8, 2048, 16, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
+    params = AttnParams(128**-0.5, -1, 0)
+    assert _dynamic_taken(q, k, params)
+    outs = []
+    for dynamic in (True, False):
+        hopper.DYNAMIC_SCHEDULE = dynamic
+        try:
+            out, lse = torch.full_like(q, float("nan")), torch.full((8, 16, 2048), float("nan"), device="cuda")
+            hopper_attn_fwd(q, k, v, out, lse, params=params)
+        finally:
+            hopper.DYNAMIC_SCHEDULE = True
+        outs.append((out, lse))
+    torch.cuda.synchronize()
+    (out, lse), (static, lse_static) = outs
+    assert not out.isnan().any() and torch.equal(out, static) and torch.equal(lse, lse_static)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:1].transpose(1, 2).float(), k[:1].transpose(1, 2).float(),
+                                                           v[:1].transpose(1, 2).float(), is_causal=True)
+    assert (out[:1].float() - ref.transpose(1, 2)).abs().max() < 4e-2  # bf16 rounding of |out| < 8
+
+
+def test_hopper_dynamic_counter_per_call(monkeypatch):
+    """Each call has its own counter: calls in a row (one-shot and a kept ``HopperFwd``), calls on two
+    streams in flight together, and a CUDA graph replayed twice (the counter's zeroing is a node of
+    the graph) all give the first call's output; the outputs are poisoned before each."""
+    from tileattn.gpu import hopper
+    from tileattn.gpu.hopper import HopperFwd
+
+    monkeypatch.setattr(hopper, "_sms", lambda q: 5)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
+    gen = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(2, 1000, 4, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
+    params = AttnParams(128**-0.5, -1, 0)
+    assert _dynamic_taken(q, k, params)
+    nan = float("nan")
+
+    def fresh():
+        return torch.full_like(q, nan), torch.full((2, 4, 1000), nan, device="cuda")
+
+    first = fresh()
+    hopper_attn_fwd(q, k, v, *first, params=params)
+    results = []
+    for _ in range(2):  # one-shot calls in a row
+        results.append(fresh())
+        hopper_attn_fwd(q, k, v, *results[-1], params=params)
+    kept = HopperFwd(params)
+    for _ in range(3):  # a prepared signature's kept launch
+        results.append(fresh())
+        kept(q, k, v, *results[-1])
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    pair = [fresh(), fresh()]
+    for stream, (out, lse) in zip(streams, pair):  # two launches in flight on two streams
+        with torch.cuda.stream(stream):
+            hopper_attn_fwd(q, k, v, out, lse, params=params)
+    torch.cuda.synchronize()
+    results += pair
+    static_out, static_lse = fresh()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kept(q, k, v, static_out, static_lse)
+    for _ in range(2):
+        static_out.fill_(nan)
+        static_lse.fill_(nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append((static_out.clone(), static_lse.clone()))
+    torch.cuda.synchronize()
+    assert not first[0].isnan().any()
+    for i, (out, lse) in enumerate(results):
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"call {i}"

@@ -356,3 +356,131 @@ def test_launch_refuses_a_tma_store_it_cannot_make():
         with pytest.raises(AssertionError):
             hopper._fwd_launch(q, k, (0, 0, 0, 0), (0, 0, 0, 0), AttnParams(0.125), 1, 256, 256, 1, 128, 3,
                                o_block=(1, 64, 1, 64), **extra)
+
+
+COUNTER = 11  # the position of the forward kernel's Counter argument
+
+
+@pytest.mark.parametrize("dynamic_on", [True, False])
+def test_causal_grid_rule(monkeypatch, dynamic_on):
+    """``_causal_grid``: with the dynamic schedule, dense causal calls in groups of DYNAMIC_MIN_GROUP
+    (12) pairs or more run persistent and fetch their items dynamically where they outnumber the
+    programs; without it, the static rule (PERSISTENT_MIN_GROUP, 24) as before."""
+    monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", dynamic_on)
+    rule = hopper._causal_grid
+    assert (hopper.PERSISTENT_MIN_GROUP, hopper.DYNAMIC_MIN_GROUP) == (24, 12)
+    assert rule(2048, 132, 24) == rule(2048, 132, 48) == (132, dynamic_on)
+    assert rule(2048, 132, 12) == ((132, True) if dynamic_on else (2048, False))
+    assert rule(2048, 132, 1) == (2048, False)
+    assert rule(100, 132, 24) == (100, False)  # no more items than programs: nothing to fetch
+    assert rule(133, 132, 24) == (132, dynamic_on)
+
+
+# (head dim, seqlen, causal) -> (programs, DYNAMIC) at 16k tokens a batch, 2048 // head dim heads, 132 SMs
+_GRIDS = {(128, 1024, True): (132, True), (128, 2048, True): (132, True), (128, 4096, True): (132, True),
+          (128, 8192, True): (2048, False),  # groups of one pair: one program per item
+          (64, 1024, True): (132, True), (64, 2048, True): (132, True), (64, 4096, True): (132, True),
+          (64, 8192, True): (132, True), (128, 2048, False): (132, False), (64, 8192, False): (132, False)}
+
+
+@pytest.mark.parametrize("cell", sorted(_GRIDS))
+def test_forward_schedule_per_cell(cell):
+    """The benchmark cells (docs/perf-notes.md's table): which run persistent and which fetch their
+    items dynamically, worked out by the launcher from meta tensors (nothing launched)."""
+    head_dim, seqlen, causal = cell
+    heads, batch = 2048 // head_dim, 16384 // seqlen
+    q = torch.empty(batch, seqlen, heads, head_dim, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(batch, heads, seqlen, device="meta")
+    launch = hopper.HopperFwd(AttnParams(head_dim**-0.5, -1, 0 if causal else -1))._launch(q, q, q, q, lse, None, None)
+    assert (launch.grid[0], launch.constexprs["DYNAMIC"]) == _GRIDS[cell]
+
+
+@pytest.mark.parametrize("case", ["window", "varlen", "sink", "gqa"])
+def test_dynamic_schedule_only_dense_causal(case):
+    """Windows and packed sequences keep one program per item and no counter; sinks and GQA on a
+    dense causal call take the dynamic schedule like any other."""
+    q = torch.empty(8, 2048, 16, 128, dtype=torch.bfloat16, device="meta")
+    kv = q[:, :, :4] if case == "gqa" else q
+    lse = torch.empty(8, 16, 2048, device="meta")
+    params = AttnParams(128**-0.5, 127 if case == "window" else -1, 0)
+    fwd = hopper.HopperFwd(params, 2048, 2048)
+    if case == "varlen":
+        packed = q.view(1, -1, 16, 128)
+        cu = torch.arange(0, 8 * 2048 + 1, 2048, dtype=torch.int32, device="meta")
+        launch = fwd._launch(packed, packed, packed, packed[0], torch.empty(16, 8 * 2048, device="meta"), None, cu)
+    else:
+        sink = torch.empty(16, device="meta") if case == "sink" else None
+        launch = fwd._launch(q, kv, kv, q, lse, sink, None)
+    dynamic = case in ("sink", "gqa")
+    assert launch.constexprs["DYNAMIC"] == dynamic and (launch.grid[0] == 132) == dynamic
+
+
+@pytest.fixture
+def fwd_runs(monkeypatch):
+    """The forward's launches recorded with their grids, each launch's counter then bumped as the
+    kernel would leave it (so a counter reused by a later call would show)."""
+    runs = []
+
+    def launch_of(kernel, args, constexprs):
+        def run(grid, *args):
+            runs.append((constexprs, grid, args))
+            if args[COUNTER] is not None:
+                args[COUNTER].add_(1000)
+        return run
+
+    monkeypatch.setattr(hopper, "launch_of", launch_of)
+    monkeypatch.setattr(hopper, "_sms", lambda q: 4)  # 4 programs, 3 x 2 x 4 = 24 causal items
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)  # the 8 pairs are one group
+    hopper._DESCRIPTOR_FIELDS.clear()
+    return runs
+
+
+def _assert_fresh_counters(runs, device):
+    counters = [args[COUNTER] for _, _, args in runs]
+    for i, (constexprs, grid, args) in enumerate(runs):
+        assert constexprs["DYNAMIC"] and grid == (4, 1, 1)
+        counter = args[COUNTER]
+        assert counter.dtype == torch.int32 and counter.shape == (1,) and counter.device == device
+        assert int(counter) == 1000, "the counter was not zero at its launch"
+        assert all(counter is not other for other in counters[:i])
+
+
+def test_each_call_gets_a_fresh_zeroed_counter(fwd_runs):
+    """One-shot calls (``hopper_attn_fwd``) and a kept launch (``HopperFwd``, a prepared signature's):
+    every dynamic launch gets its own int32 counter, zero when launched; a flag-off call gets None."""
+    q, k, v = _dense(2, 300, 4, 128)
+    params = AttnParams(128**-0.5, -1, 0)
+    for _ in range(2):
+        hopper.hopper_attn_fwd(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), params=params)
+    fwd = hopper.HopperFwd(params)
+    for _ in range(3):
+        fwd(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300))
+    assert fwd.dynamic and fwd.launch.constexprs["DYNAMIC"] and len(fwd_runs) == 5
+    _assert_fresh_counters(fwd_runs, q.device)
+    hopper.hopper_attn_fwd(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300), params=AttnParams(128**-0.5))
+    constexprs, grid, args = fwd_runs[-1]
+    assert not constexprs["DYNAMIC"] and args[COUNTER] is None
+
+
+def test_kept_launch_fallback_keeps_the_counter(fwd_runs):
+    """A kept dynamic launch whose later ``out`` is not 16-byte aligned stores from registers (a launch
+    of its own): still dynamic, with a fresh counter."""
+    q, k, v = _dense(2, 300, 4, 64)
+    fwd = hopper.HopperFwd(AttnParams(0.125, -1, 0))
+    flat = torch.empty(q.numel() + 8, dtype=torch.bfloat16)
+    for out in (torch.empty_like(q), flat[1:1 + q.numel()].view(q.shape), torch.empty_like(q)):
+        fwd(q, k, v, out, torch.empty(2, 4, 300))
+    assert [c["TMA_STORE"] for c, _, _ in fwd_runs] == [True, False, True]
+    _assert_fresh_counters(fwd_runs, q.device)
+
+
+def test_partials_take_no_counter(fwd_launches):
+    q = torch.randn(1, 64, 8, 128).to(torch.bfloat16)
+    pool = torch.randn(40, 16, 2, 128).to(torch.bfloat16)
+    table = torch.randperm(40)[:32].view(1, 32).to(torch.int32)
+    o_parts, lse_parts = torch.empty(2, 1, 64, 8, 128), torch.empty(2, 1, 8, 64)
+    hopper.hopper_attn_partials(q, pool, pool, o_parts, lse_parts, params=AttnParams(128**-0.5), block_table=table,
+                                seqused_k=torch.tensor([500], dtype=torch.int32), max_seqlen_k=512)
+    [(constexprs, args)] = fwd_launches
+    assert not constexprs["DYNAMIC"] and args[COUNTER] is None and type(args[COUNTER + 1]) is int  # strides follow

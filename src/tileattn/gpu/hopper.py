@@ -10,7 +10,9 @@ pointers' alignment) on every call, and keeps its launch (``HopperFwd``, ``Gluon
 Work items of 128 query rows, each computed by two consumer warpgroups of 64 rows and one
 producer warp (``kernels/attn_fwd_hopper.py``): one program per SM walks them when they cost
 the same (dense, no mask) and for dense causal calls whose grouped work order holds enough
-(sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item.
+(sequence, head) pairs (``_order_group``, ``PERSISTENT_MIN_GROUP``), else one program per item. Dense
+causal calls on a persistent grid take their items dynamically from a per-call counter (``DYNAMIC``,
+``_causal_grid``, ``_item_counter``), which also brings groups of ``DYNAMIC_MIN_GROUP`` pairs onto it.
 Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
 2 x 2 x 32 KB = 192 KB. The output goes through shared memory and one asynchronous TMA copy per
@@ -67,6 +69,15 @@ ORDER_L2_BYTES, ORDER_MIN_GROUP = 24 << 20, 12
 # order: measured (05:29) +10 / +2 % at hdim 128 (1k / 2k; groups 48 / 24), +23 / +17 / +10 % at
 # hdim 64 (1k / 2k / 4k; 96 / 48 / 24); with groups of 12, -4 % at hdim 128 (4k), +5 % at hdim 64 (8k).
 PERSISTENT_MIN_GROUP = 24
+# Dynamic schedule (``DYNAMIC`` in kernels/attn_fwd_hopper.py): a persistent dense causal call whose items
+# outnumber its programs fetches each program's next item with an atomic on a per-call counter instead of
+# the static round-robin. Modelled, not measured (docs/perf-notes.md, "dynamic persistent schedule"): at
+# hdim 128, 16k tokens a batch, 132 programs, the round-robin balances 85 % of the ideal at 1k-4k, the
+# dynamic fetch 96 %; hdim 64 97 % against 99.5-100 %. With it, groups of DYNAMIC_MIN_GROUP pairs already
+# run persistent (hdim 128 at 4k, hdim 64 at 8k: groups of 12, whose static round-robin lost at hdim 128).
+# Both constants are for the GPU A/B to decide (.scratch/fwd_ab.py's TA_DYN, TA_DYN_MIN_GROUP).
+DYNAMIC_SCHEDULE = True
+DYNAMIC_MIN_GROUP = 12
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
 # Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
 # query rows (per sequence) sent there; causal means no window beyond causality, not causal no
@@ -350,11 +361,11 @@ class HopperFwd:
     metadata and kept: a prepared forward (``gpu/prepared.py``) keeps one for every call of its
     signature, whose calls must have passed ``fwd_signature_reason`` once and ``call_reason`` each."""
 
-    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "launch", "tma_store")
+    __slots__ = ("params", "max_seqlen_q", "max_seqlen_k", "launch", "tma_store", "dynamic")
 
     def __init__(self, params: AttnParams, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
         self.params, self.max_seqlen_q, self.max_seqlen_k, self.launch = params, max_seqlen_q, max_seqlen_k, None
-        self.tma_store = False
+        self.tma_store = self.dynamic = False
 
     def __call__(self, q, k, v, out, lse, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
         if cu_seqlens_q is not None:  # packed (T, H, D) tensors seen as batch 1 by the descriptors; lse (H, T)
@@ -362,14 +373,16 @@ class HopperFwd:
         launch = self.launch
         if launch is None:
             launch = self.launch = self._launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q)
-            self.tma_store = launch.constexprs["TMA_STORE"]
+            self.tma_store, self.dynamic = launch.constexprs["TMA_STORE"], launch.constexprs["DYNAMIC"]
         o_desc = None
         if self.tma_store:  # out is also the base of the output descriptor
             if out.data_ptr() & 15:  # no descriptor on this base: this call stores from registers
                 launch = self._launch(q, k, v, out, lse, learnable_sink, cu_seqlens_q, tma_store=False)
             else:
                 o_desc = out
-        launch(q, k, v, o_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, None, None)
+        # DYNAMIC: every call its own zeroed item counter (``_item_counter``), a kept launch's calls too
+        counter = _item_counter(q.device) if self.dynamic else None
+        launch(q, k, v, o_desc, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, None, None, counter)
 
     def _launch(self, q, k, v, out, lse, learnable_sink, cu_seqlens_q, tma_store: bool = True) -> GluonLaunch:
         """The launch of calls like this one (q, k, v 4-D: packed ones unsqueezed); with ``tma_store``
@@ -398,12 +411,34 @@ class HopperFwd:
             # pairs run persistent (docs/perf-notes.md, 2026-12-01 05:29).
             group = _order_group(k, v, seqlen_k, q.shape[2], batch * q.shape[2])
             dense_causal = not varlen and params.window_left < 0 and params.window_right == 0
-            programs = min(works, _sms(q)) if dense_causal and group >= PERSISTENT_MIN_GROUP else works
+            programs, dynamic = _causal_grid(works, _sms(q), group) if dense_causal else (works, False)
         else:  # equal items: one program per SM walks them, overlapping one item's tail with the next's loads
-            programs, group = min(works, _sms(q)), 1
+            programs, group, dynamic = min(works, _sms(q)), 1, False
         return _fwd_launch(q, k, o_strides, l_strides, params, batch, seqlen_q, seqlen_k, programs, block_n, stages,
                            learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, group=group,
-                           o_block=_out_block(q, out, varlen) if tma_store else None)
+                           o_block=_out_block(q, out, varlen) if tma_store else None, dynamic=dynamic)
+
+
+def _causal_grid(works: int, sms: int, group: int) -> tuple[int, bool]:
+    """(programs, ``DYNAMIC``) of a dense causal call of ``works`` items in groups of ``group`` pairs
+    (``_order_group``): a persistent grid of ``sms`` programs for groups of ``PERSISTENT_MIN_GROUP``
+    pairs, or of ``DYNAMIC_MIN_GROUP`` with the dynamic schedule (``DYNAMIC_SCHEDULE``), which it
+    then takes where the items outnumber the programs; else one program per item."""
+    persistent = group >= (min(PERSISTENT_MIN_GROUP, DYNAMIC_MIN_GROUP) if DYNAMIC_SCHEDULE else PERSISTENT_MIN_GROUP)
+    if not persistent:
+        return works, False
+    programs = min(works, sms)
+    return programs, DYNAMIC_SCHEDULE and works > programs
+
+
+def _item_counter(device) -> torch.Tensor:
+    """A zeroed int32 counter for one dynamic launch (its programs' next items, ``DYNAMIC``): fresh from
+    the caching allocator on the current stream and zeroed by a memset on it, so two launches in
+    flight on different streams never share one, and under CUDA-graph capture the zeroing is a node
+    that every replay runs again. (A counter kept by the launcher and reset by the kernel's last
+    program would save this memset, but two launches on two streams would race on it, and a launch
+    that never finishes would leave it dirty for the next.)"""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _out_block(q, out, varlen: bool) -> tuple[int, ...] | None:
@@ -436,15 +471,17 @@ def _sms(q) -> int:
 
 def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q, seqlen_k, programs, block_n, stages,
                 *, learnable_sink=None, cu_seqlens_q=None, seqused_k=None, block_table=None, qpack=1, num_splits=1,
-                tiles_per_split=2**30, group=1, o_block=None) -> GluonLaunch:
+                tiles_per_split=2**30, group=1, o_block=None, dynamic=False) -> GluonLaunch:
     """The one launch of the Gluon forward: descriptor tiles, integer arguments, flags, for calls
     whose tensors are like these (the optional ones read only for their presence and the block
     table's layout). q and k are 4-D (batch, seqlen, heads, dim), k the pool (num_blocks, page,
     heads_k, dim) with ``block_table``; ``o_strides``/``l_strides`` are (batch, seqlen, head, split)
     and (batch, head, seqlen, split) of the output and lse. The launch takes (q, or with ``qpack`` its
     5-D view (B, S, H_k, qpack, D), k, v, out or None, out, lse, learnable_sink, cu_seqlens_q,
-    cu_seqlens_k, seqused_k, block_table): with ``o_block`` (``_out_block``: dense, ``qpack`` 1, one
-    split) the first out is the base of the output descriptor (``TMA_STORE``), else None."""
+    cu_seqlens_k, seqused_k, block_table, counter): with ``o_block`` (``_out_block``: dense, ``qpack`` 1, one
+    split) the first out is the base of the output descriptor (``TMA_STORE``), else None; with ``dynamic``
+    (``_causal_grid``: dense) the counter is a zeroed int32 tensor of one element, fresh per call
+    (``_item_counter``), else None."""
     from ..kernels.attn_fwd_hopper import _attn_fwd_hopper_kernel
 
     nheads, head_dim, nheads_k = q.shape[2], q.shape[3], k.shape[2]
@@ -456,12 +493,13 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
     numbers = (*o_strides, *l_strides, *table, batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group,
                params.softmax_scale * LOG2E.value, params.window_left, params.window_right)
     assert o_block is None or (qpack == 1 and num_splits == 1 and cu_seqlens_q is None and block_table is None)
+    assert not dynamic or (cu_seqlens_q is None and block_table is None)
     return GluonLaunch(_attn_fwd_hopper_kernel, (programs, 1, 1), dict(
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
         PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None,
-        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS),
-        (q_block, kv_block, kv_block, o_block) + (None,) * 7, numbers)
+        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic),
+        (q_block, kv_block, kv_block, o_block) + (None,) * 8, numbers)
 
 
 def hopper_partials_reason(q, k_cache, v_cache, params: AttnParams, block_table, seqused_k) -> str | None:
@@ -526,4 +564,4 @@ def hopper_attn_partials(q, k_cache, v_cache, o_parts, lse_parts, *, params: Att
                          block_n, stages, seqused_k=seqused_k, block_table=block_table, qpack=qpack, num_splits=splits,
                          tiles_per_split=tiles_per_split)
     q_rows = q.unflatten(2, (nheads // qpack, qpack)) if qpack > 1 else q
-    launch(q_rows, k_cache, v_cache, None, o_parts, lse_parts, None, None, None, seqused_k, block_table)
+    launch(q_rows, k_cache, v_cache, None, o_parts, lse_parts, None, None, None, seqused_k, block_table, None)

@@ -20,7 +20,9 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
   stride of the grid size, in the order of ``_work`` (heaviest causal blocks first across a group
   of heads): one program per SM (persistent, the next item's copies overlap the last one's
   epilogue) when items cost the same or the launcher finds the order balanced enough, one
-  program per item otherwise.
+  program per item otherwise. With ``DYNAMIC`` (dense causal calls on a persistent grid) a program
+  takes its next item from a per-call atomic counter instead: the next free program gets the next
+  item of the order (the kernel's docstring).
 
 The output: with ``TMA_STORE`` (dense calls, ``QPACK`` 1, one split: the launcher's rule) each
 consumer warpgroup writes its normalised tile to a shared-memory staging tile of its own and hands it
@@ -214,52 +216,214 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
-              GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+def _post_index(slot, w):
+    """Write work item index ``w`` into the [1] int32 shared ``slot`` (from the producer's one warp);
+    every lane writes it, and the warp's barrier orders all lanes' writes before the mbarrier arrive
+    (a release) that follows."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    slot.store(gl.full([1], w, gl.int32, layout=layout))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _read_index(slot):
+    """The work item index in the [1] int32 shared ``slot`` (read by a consumer warpgroup after the
+    wait on the barrier phase that the producer's post released)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(slot.load(layout), axis=0)
+
+
+@gluon.jit
+def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
+               slots, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+               DYNAMIC: gl.constexpr):
+    """The producer's copies of work item ``w``: the two warpgroups' Q tiles (with ``DYNAMIC`` the
+    index ``w`` posted to each warpgroup's slot first), then K and V tile by tile. ``c``: K/V copies
+    issued so far, ``j``: items loaded so far; returns them updated."""
+    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+        w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
+    if valid:
+        for wg in gl.static_range(2):
+            mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
+            if DYNAMIC:  # the item's index, read by the warpgroup once this phase completes
+                _post_index(slots.index(wg), w)
+            mbarrier.expect(q_full.index(wg), q_desc.block_type.nbytes)
+            if QPACK > 1:  # rows (query, head of the group) of the 5-D view (B, S, H_k, QPACK, D)
+                tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + (m_start + wg * ROWS_WG) // QPACK, h,
+                                                         0, 0], q_full.index(wg), q_smem.index(wg))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
+                                                q_full.index(wg), q_smem.index(wg))
+        for t in range(n_lo, n_hi):
+            slot = c % STAGES
+            phase = (c // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                     table_len, BLOCK_N, PAGE)
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            _copy_kv(v_desc, v_ring, v_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                     table_len, BLOCK_N, PAGE)
+            c += 1
+        j += 1
+    return c, j
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, slots,
+              Counter, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+              DYNAMIC: gl.constexpr):
     """The load warp: for each work item, the two warpgroups' Q tiles, then K and V tile by tile.
 
     A buffer is refilled once its consumers have arrived on its ``empty`` barrier (a fresh
     barrier counts as having completed the phase before its first, so round 0 starts at once);
-    the copies for the next item start while the consumers finish the current one."""
-    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    the copies for the next item start while the consumers finish the current one.
+
+    ``DYNAMIC``: the first item is the program's id; the next one is fetched (``P + atomic_add(Counter,
+    1)``) once the current item's last K/V copy is issued, STAGES tiles before the consumers finish
+    it, so the atomic's latency hides behind those tiles, and its index goes to each warpgroup's slot
+    before the phase of its ``q_full`` that starts the item. An index past the items ends the loop:
+    after the last item's Q is released, the end index is posted and ``q_full`` arrived on without a
+    copy (the kernel's docstring)."""
+    q_full, q_empty = bars[0], bars[1]
     batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
     items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
     c = 0  # K/V copies issued so far
     j = 0  # work items loaded so far
-    for w in range(gl.program_id(0), items, gl.num_programs(0)):
-        b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
-            w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
-        if valid:
-            for wg in gl.static_range(2):
-                mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
-                mbarrier.expect(q_full.index(wg), q_desc.block_type.nbytes)
-                if QPACK > 1:  # rows (query, head of the group) of the 5-D view (B, S, H_k, QPACK, D)
-                    tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + (m_start + wg * ROWS_WG) // QPACK, h,
-                                                             0, 0], q_full.index(wg), q_smem.index(wg))
-                else:
-                    tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
-                                                    q_full.index(wg), q_smem.index(wg))
-            for t in range(n_lo, n_hi):
-                slot = c % STAGES
-                phase = (c // STAGES) & 1
-                mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
-                         table_len, BLOCK_N, PAGE)
-                mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                _copy_kv(v_desc, v_ring, v_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
-                         table_len, BLOCK_N, PAGE)
-                c += 1
-            j += 1
+    if DYNAMIC:
+        w = gl.program_id(0)
+        while w < items:
+            c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
+                              stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC)
+            w = gl.num_programs(0) + gl.atomic_add(Counter, 1, sem="relaxed")  # the next free item
+        for wg in gl.static_range(2):  # the end: an index past the items, its phase completed without a copy
+            mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
+            _post_index(slots.index(wg), w)
+            mbarrier.arrive(q_full.index(wg), count=1)
+    else:
+        for w in range(gl.program_id(0), items, gl.num_programs(0)):
+            c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
+                              stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC)
+
+
+@gluon.jit
+def _consume_item(w, c, j, WG: gl.constexpr, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit,
+                  scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+                  PAGE: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
+                  WAIT_Q: gl.constexpr):
+    """Work item ``w`` for warpgroup ``WG`` (``_consumer``): ``c`` K/V copies and ``j`` items consumed
+    before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has)."""
+    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
+    window_left, window_right = geom[7], geom[8]
+    HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    dtype: gl.constexpr = q_tile.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+        w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
+    if valid:
+        m_start = m_start + WG * ROWS_WG  # in packed rows
+        _, full_lo, full_hi, _ = _tile_range(m_start // QPACK, ROWS_WG // QPACK, BLOCK_N, seqlen_q, seqlen_k,
+                                             window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        diag_off = seqlen_k - seqlen_q
+        rows_s = m_start + gl.arange(0, ROWS_WG, layout=row_s)  # [ROWS_WG] packed rows
+        q_pos = rows_s // QPACK  # [ROWS_WG] query positions
+        if HAS_SINK:
+            m_i = gl.load(Sink + h * QPACK + rows_s % QPACK) * LOG2E  # [ROWS_WG] each row's head's sink
+            l_i = gl.full([ROWS_WG], 1.0, gl.float32, layout=row_s)
+        else:
+            m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
+            l_i = gl.zeros([ROWS_WG], gl.float32, layout=row_s)  # running sum
+        o = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, layout=o_layout)  # [ROWS_WG, HEAD_DIM]
+        off = c - n_lo  # tile t of this item is the ring's copy t + off
+        if WAIT_Q:  # (DYNAMIC: the caller waited, to read the item's index)
+            mbarrier.wait(q_full.index(WG), j & 1)
+        if n_hi > n_lo:
+            # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
+            k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
+            masked = (n_lo < full_lo) | (n_lo >= full_hi)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                               window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                               s_layout)
+            for t in range(n_lo + 1, n_hi):
+                k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
+                s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)  # [ROWS_WG, BLOCK_N] A operand in registers
+                o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
+                mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
+                masked = (t < full_lo) | (t >= full_hi)
+                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                                   window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                                   s_layout)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+                mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
+                o = o * gl.convert_layout(alpha, row_o)[:, None]
+            if Q_EARLY:  # Q's last reader, the last S product, has completed: the producer may load
+                # the next item's Q, and the K/V tiles it queues behind it, during this item's last
+                # P V product and epilogue
+                mbarrier.arrive(q_empty.index(WG), count=1)
+            v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+            if PAGE > 0:
+                if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
+                    _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o = warpgroup_mma(p_op, v_tile, o)
+            mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
+        elif Q_EARLY:  # no key tile read Q
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        if not Q_EARLY:
+            mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
+        c += n_hi - n_lo
+        j += 1
+
+        empty = l_i == 0.0  # [ROWS_WG] rows that saw no key (and no sink): out 0, lse -inf
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [ROWS_WG] natural log
+        o = o / gl.convert_layout(l_safe, row_o)[:, None]
+        if TMA_STORE:  # dense rows: q_start is 0, b_desc is b; rows past seqlen_q are clipped by the copy
+            tma.store_wait(0)  # the previous item's copy has read the staging tile
+            gl.thread_barrier()
+            o_stage.reshape([ROWS_WG, HEAD_DIM]).store(o.to(o_desc.dtype))  # [ROWS_WG, HEAD_DIM]
+            fence_async_shared()
+            gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk copy
+            tma.async_copy_shared_to_global(o_desc, [b_desc, m_start, h, 0], o_stage)
+        else:
+            rows_o = m_start + gl.arange(0, ROWS_WG, layout=row_o)  # [ROWS_WG] packed rows
+            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+            o_base = Out + split.to(gl.int64) * stride_osplit + b.to(gl.int64) * stride_ob
+            o_row = (q_start + rows_o // QPACK).to(gl.int64) * stride_os + (h * QPACK + rows_o % QPACK) * stride_oh
+            gl.store(o_base + o_row[:, None] + cols_o[None, :], o.to(Out.dtype.element_ty),
+                     mask=(rows_o // QPACK < seqlen_q)[:, None])  # [ROWS_WG, HEAD_DIM]
+        l_base = Lse + split.to(gl.int64) * stride_lsplit + b.to(gl.int64) * stride_lb
+        l_row = (q_start + q_pos).to(gl.int64) * stride_ls + (h * QPACK + rows_s % QPACK) * stride_lh
+        gl.store(l_base + l_row, lse, mask=q_pos < seqlen_q)
+    return c, j
+
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stages, Out, Lse, Sink, stride_ob,
-              stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
+              stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots,
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr):
+              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr, DYNAMIC: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
@@ -275,122 +439,54 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
 
     ``Q_EARLY``: the warpgroup releases its Q buffer as soon as the item's last S product has
     completed, not after the item's last P V product (the launcher's rule: the head dims where
-    this was measured to gain)."""
-    q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    window_left, window_right = geom[7], geom[8]
+    this was measured to gain).
+
+    ``DYNAMIC``: the warpgroup learns each item's index from its slot (``slots[WG]``) once the
+    item's ``q_full`` phase has completed, and leaves at an index past the items (``_producer``)."""
+    q_full = bars[0]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, layout=s_layout)
     q_tile = q_smem.index(WG).reshape([ROWS_WG, HEAD_DIM])
     if TMA_STORE:
         o_stage = o_stages.index(WG)  # [1, ROWS_WG, 1, HEAD_DIM]
+    else:
+        o_stage: gl.constexpr = None
     batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
     items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
     c = 0  # K/V copies consumed so far: the ring position of the item's first tile
     j = 0  # work items done: the Q buffer's phase
-    for w in range(gl.program_id(0), items, gl.num_programs(0)):
-        b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
-            w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
-        if valid:
-            m_start = m_start + WG * ROWS_WG  # in packed rows
-            _, full_lo, full_hi, _ = _tile_range(m_start // QPACK, ROWS_WG // QPACK, BLOCK_N, seqlen_q, seqlen_k,
-                                                 window_left, window_right, MASK_LEFT, MASK_RIGHT)
-            diag_off = seqlen_k - seqlen_q
-            rows_s = m_start + gl.arange(0, ROWS_WG, layout=row_s)  # [ROWS_WG] packed rows
-            q_pos = rows_s // QPACK  # [ROWS_WG] query positions
-            if HAS_SINK:
-                m_i = gl.load(Sink + h * QPACK + rows_s % QPACK) * LOG2E  # [ROWS_WG] each row's head's sink
-                l_i = gl.full([ROWS_WG], 1.0, gl.float32, layout=row_s)
-            else:
-                m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, layout=row_s)  # running max, log2 units
-                l_i = gl.zeros([ROWS_WG], gl.float32, layout=row_s)  # running sum
-            o = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, layout=o_layout)  # [ROWS_WG, HEAD_DIM]
-            off = c - n_lo  # tile t of this item is the ring's copy t + off
-            mbarrier.wait(q_full.index(WG), j & 1)
-            if n_hi > n_lo:
-                # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
-                k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
-                s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
-                mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
-                masked = (n_lo < full_lo) | (n_lo >= full_hi)
-                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
-                                                   window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                                   s_layout)
-                for t in range(n_lo + 1, n_hi):
-                    k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
-                    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)  # [ROWS_WG, BLOCK_N] A operand in registers
-                    o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
-                    mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
-                    masked = (t < full_lo) | (t >= full_hi)
-                    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
-                                                       window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                                       s_layout)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-                    mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
-                    o = o * gl.convert_layout(alpha, row_o)[:, None]
-                if Q_EARLY:  # Q's last reader, the last S product, has completed: the producer may load
-                    # the next item's Q, and the K/V tiles it queues behind it, during this item's last
-                    # P V product and epilogue
-                    mbarrier.arrive(q_empty.index(WG), count=1)
-                v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
-                if PAGE > 0:
-                    if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
-                        _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                o = warpgroup_mma(p_op, v_tile, o)
-                mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
-            elif Q_EARLY:  # no key tile read Q
-                mbarrier.arrive(q_empty.index(WG), count=1)
-            if not Q_EARLY:
-                mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
-            c += n_hi - n_lo
-            j += 1
-
-            empty = l_i == 0.0  # [ROWS_WG] rows that saw no key (and no sink): out 0, lse -inf
-            l_safe = gl.where(empty, 1.0, l_i)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [ROWS_WG] natural log
-            o = o / gl.convert_layout(l_safe, row_o)[:, None]
-            if TMA_STORE:  # dense rows: q_start is 0, b_desc is b; rows past seqlen_q are clipped by the copy
-                tma.store_wait(0)  # the previous item's copy has read the staging tile
-                gl.thread_barrier()
-                o_stage.reshape([ROWS_WG, HEAD_DIM]).store(o.to(o_desc.dtype))  # [ROWS_WG, HEAD_DIM]
-                fence_async_shared()
-                gl.thread_barrier()  # the whole tile stored before the (single-thread) bulk copy
-                tma.async_copy_shared_to_global(o_desc, [b_desc, m_start, h, 0], o_stage)
-            else:
-                rows_o = m_start + gl.arange(0, ROWS_WG, layout=row_o)  # [ROWS_WG] packed rows
-                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-                o_base = Out + split.to(gl.int64) * stride_osplit + b.to(gl.int64) * stride_ob
-                o_row = (q_start + rows_o // QPACK).to(gl.int64) * stride_os + (h * QPACK + rows_o % QPACK) * stride_oh
-                gl.store(o_base + o_row[:, None] + cols_o[None, :], o.to(Out.dtype.element_ty),
-                         mask=(rows_o // QPACK < seqlen_q)[:, None])  # [ROWS_WG, HEAD_DIM]
-            l_base = Lse + split.to(gl.int64) * stride_lsplit + b.to(gl.int64) * stride_lb
-            l_row = (q_start + q_pos).to(gl.int64) * stride_ls + (h * QPACK + rows_s % QPACK) * stride_lh
-            gl.store(l_base + l_row, lse, mask=q_pos < seqlen_q)
+    if DYNAMIC:
+        mbarrier.wait(q_full.index(WG), 0)  # the first item's Q (or the end)
+        w = _read_index(slots.index(WG))
+        while w < items:
+            c, j = _consume_item(w, c, j, WG, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+                                 Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
+                                 stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, False)
+            mbarrier.wait(q_full.index(WG), j & 1)  # the next item's Q (or the end), after this item's epilogue
+            w = _read_index(slots.index(WG))
+    else:
+        for w in range(gl.program_id(0), items, gl.num_programs(0)):
+            c, j = _consume_item(w, c, j, WG, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+                                 Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
+                                 stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, True)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the staging tile before the program ends
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, Sink, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, Counter,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, stride_tb, table_len,
     batch, nheads, seqlen_q, seqlen_k, num_splits, tiles_per_split, group, scale_log2, window_left, window_right,
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
@@ -412,7 +508,43 @@ def _attn_fwd_hopper_kernel(
 
     ``TMA_STORE``: ``o_desc`` (None without it) is a descriptor of ``Out`` (B, S, H, D) read in
     [1, 64, 1, D] tiles, and each consumer warpgroup stores its output tile through a staging
-    tile of its own (``_consumer``); the launcher sets it for dense calls only."""
+    tile of its own (``_consumer``); the launcher sets it for dense calls only.
+
+    ``DYNAMIC`` (dense rows; ``Counter`` an int32 that is 0 when the launch starts, None without
+    it): program pid's first item is pid; each later one is ``P + atomic_add(Counter, 1)``, fetched
+    by the producer once it has issued the current item's last K/V copy (the consumers are then
+    ``STAGES`` tiles from its end: the atomic's latency hides behind them, and the claim comes
+    late enough for the order to be served nearly greedily: docs/perf-notes.md's model). The
+    producer hands the index to the consumer warpgroups through ``slots`` (int32 [2, 1] in shared
+    memory, one per warpgroup): after its wait on ``q_empty[wg]`` it writes ``slots[wg]``, then
+    starts ``q_full[wg]``'s phase (``expect``, an arrive with release semantics, then the Q copy);
+    the warpgroup waits on that phase (acquire) and reads the slot, then computes ``_work`` of the
+    index. An index >= the item count ends the program: the producer, after ``q_empty[wg]``,
+    writes it to both slots and arrives on ``q_full[wg]`` without a copy; each consumer reads it
+    after its last epilogue and leaves its loop, and the producer has left its own.
+
+    Why this cannot deadlock, nor hand out an item twice or never:
+    * The atomic returns each value once, so items P, P + 1, ... go to one program each, and
+      every program fetches until it gets an index >= items: every item runs, once.
+    * Within a program the three partitions walk the same items: the producer writes the same
+      index to both slots, and a consumer takes its j-th item from the j-th phase of its
+      ``q_full``. So each consumer consumes exactly the K/V copies the producer issues, in the
+      same ring order, as in the static schedule (whose barrier protocol is unchanged).
+    * A slot is written again only after ``q_empty[wg]`` of the item it holds has completed, and
+      a consumer arrives there only after reading the slot (the index drives the whole item), so
+      no index is overwritten unread. The producer's lanes all write the slot, then the warp's
+      barrier, then one lane's release-arrive: the consumers' acquire-wait sees the value.
+    * The end: each consumer arrives on ``q_empty`` once per item (before its epilogue, with or
+      without ``Q_EARLY``), so the producer's last wait on it completes; its arrive on ``q_full``
+      then completes the phase (count 1, no bytes expected); each consumer waits for it after its
+      last epilogue, reads the end index and leaves. No copy is left in flight (every K/V tile
+      issued was consumed; the output copies are waited for by ``tma.store_wait``), and no
+      partition waits on another after the end signal.
+    * A program whose id is >= items (the launcher makes none) posts the end at once.
+
+    The counter is a fresh zeroed tensor per launch (``gpu/hopper.py``'s ``_item_counter``), not
+    one kept by the launcher and reset by the kernel's last program: two launches in flight on two
+    streams would share such a counter."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -430,6 +562,11 @@ def _attn_fwd_hopper_kernel(
         o_stage = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_stage: gl.constexpr = None
+    if DYNAMIC:  # each consumer warpgroup's slot for the index of its next work item
+        gl.static_assert(not IS_VARLEN, "every dynamic item is valid (dense rows)")
+        slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        slots: gl.constexpr = None
     for i in gl.static_range(2):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -443,11 +580,14 @@ def _attn_fwd_hopper_kernel(
             tiles_per_split, group)
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
-                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
-                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY)),
+                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
+                     QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
+                     DYNAMIC)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
-                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, QPACK,
-                     IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY)),
+                     stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
+                     QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
+                     DYNAMIC)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
-                     GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES)),
+                     slots, Counter, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES,
+                     DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
