@@ -10,7 +10,8 @@ the same number of tokens:
   (``CompileConfig(fullgraph=True)``, inductor, CUDA graphs): any graph break fails the row.
 
 tokens/s = batch x new tokens / wall time of one generate() call (prefill included), the
-median of 3 calls after a warm-up call (which also compiles). ``same tokens`` is the share
+median of 3 calls after a warm-up call (which also compiles); every implementation is warmed
+up first, then the timed calls alternate between them round by round. ``same tokens`` is the share
 of generated tokens equal to SDPA's in the same mode (bf16 rounding may flip near-ties).
 About 40 s of GPU time, mostly compilation.
 
@@ -97,29 +98,42 @@ def main() -> None:
     ids, mask = make_batch(case, args.device)
     rows, tokens = [], {}
     for mode in modes:
+        # Every implementation is warmed up (compiled) first, then the timed calls alternate between
+        # them round by round, so the host's drift over the run (the calls are host-bound) falls on
+        # every implementation alike rather than on whichever ran last.
+        live = []
         for impl in impls:
             model.set_attn_implementation(impl)
-            row = dict(impl=impl, mode=mode, batch=batch, new_tokens=new, layers=case["layers"])
+            row = dict(impl=impl, mode=mode, batch=batch, new_tokens=new, layers=case["layers"], times=[])
             try:
                 start = time.perf_counter()
-                out = run_generate(model, ids, mask, new, mode == "compiled")
+                run_generate(model, ids, mask, new, mode == "compiled")
                 row["warmup_s"] = round(time.perf_counter() - start, 2)
-                times = []
-                for _ in range(1 if args.smoke else 3):
+                live.append(row)
+            except Exception as err:  # a failing row is reported, the others still run
+                row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            rows.append(row)
+        for _ in range(1 if args.smoke else 3):
+            for row in list(live):
+                model.set_attn_implementation(row["impl"])
+                try:
                     if args.device == "cuda":
                         torch.cuda.synchronize()
                     start = time.perf_counter()
                     out = run_generate(model, ids, mask, new, mode == "compiled")
                     if args.device == "cuda":
                         torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
+                    row["times"].append(time.perf_counter() - start)
+                    tokens[row["impl"], mode] = out[:, ids.shape[1]:]
+                except Exception as err:
+                    row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    live.remove(row)
+        for row in rows:
+            times = row.pop("times")
+            if times and "note" not in row:
                 row["tokens_per_s"] = round(batch * new / statistics.median(times), 1)
-                tokens[impl, mode] = out[:, ids.shape[1]:]
-            except Exception as err:  # a failing row is reported, the others still run
-                row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-            rows.append(row)
-            common.write_csv(f"{args.out}/generate.csv", rows, env, quiet=True)
-            torch._dynamo.reset()
+        common.write_csv(f"{args.out}/generate.csv", rows, env, quiet=True)
+        torch._dynamo.reset()
     for row in rows:
         mine, ref = tokens.get((row["impl"], row["mode"])), tokens.get(("sdpa", row["mode"]))
         if mine is not None and ref is not None:
