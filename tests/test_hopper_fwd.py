@@ -384,6 +384,30 @@ def test_hopper_dynamic_schedule(monkeypatch, head_dim, seqlen, nheads_k, sms, s
     assert torch.equal(out, static) and torch.equal(lse, lse_static)
 
 
+@pytest.mark.parametrize("seqlen, nheads_k, sms, causal, window, sink", [
+    (1000, 8, 5, True, (-1, -1), False),  # the dynamic schedule, 8 x 2 x 8 = 128 items over 5 programs
+    (2048, 2, 3, False, (-1, -1), False),  # the static persistent grid, GQA 4, 16 blocks a pair over 3 programs
+    (777, 1, 7, True, (-1, -1), True),  # MQA, sinks, the last block part-filled
+    (1000, 4, 4, False, (100, 30), False),  # a sliding window
+])
+def test_hopper_double_q_buffers(monkeypatch, seqlen, nheads_k, sms, causal, window, sink):
+    """Two pairs of Q buffers at head dim 64 (``Q_BUFS`` 2): few programs (``_sms``), so every
+    program takes many items and both pairs' barrier phases wrap many times. Equal to the reference,
+    and bitwise to one pair (the same arithmetic per item; only when its Q arrives changes)."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setattr(hopper, "_sms", lambda q: sms)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
+    assert 64 in hopper.DOUBLE_Q_HEAD_DIMS
+    seed = seqlen + sms
+    out, lse = _run(seed, 2, seqlen, seqlen, 8, nheads_k, 64, torch.bfloat16, causal=causal, window=window, sink=sink)
+    monkeypatch.setattr(hopper, "DOUBLE_Q_HEAD_DIMS", ())
+    one, lse_one = _run(seed, 2, seqlen, seqlen, 8, nheads_k, 64, torch.bfloat16, causal=causal, window=window,
+                        sink=sink)
+    assert torch.equal(out, one) and torch.equal(lse, lse_one)
+
+
 def test_hopper_dynamic_schedule_at_the_benchmark_shape():
     """hdim 128, causal, 2k, 16k tokens: the real grid (one program per SM) and counter, bitwise equal
     to the static schedule."""

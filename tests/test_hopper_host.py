@@ -320,6 +320,31 @@ def test_kept_forward_falls_back_for_an_unaligned_out(fwd_launches):
     _assert_out_descriptor(fwd_launches[2][1], outs[2])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["dense", "varlen", "paged partials"])
+def test_double_q_buffers_at_head_dim_64(fwd_launches, head_dim, kind):
+    """Two pairs of Q buffers (``Q_BUFS`` 2) at head dim 64 for every kind of call, one pair at 128
+    and 256, where the second pair would not fit in shared memory (2 x 16 KB and 2 x 32 KB more)."""
+    assert hopper.DOUBLE_Q_HEAD_DIMS == (64,)
+    q, k, v = _dense(1, 256, 4, head_dim)
+    if kind == "dense":
+        hopper.hopper_attn_fwd(q, k, v, torch.empty_like(q), torch.empty(1, 4, 256),
+                               params=AttnParams(head_dim**-0.5, -1, 0))
+    elif kind == "varlen":
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+        hopper.hopper_attn_fwd(q[0], k[0], v[0], torch.empty_like(q[0]), torch.empty(4, 256),
+                               params=AttnParams(head_dim**-0.5, -1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               max_seqlen_q=156, max_seqlen_k=156)
+    else:
+        pool = torch.randn(40, 16, 4, head_dim).to(torch.bfloat16)
+        table = torch.randperm(40)[:32].view(1, 32).to(torch.int32)
+        hopper.hopper_attn_partials(q, pool, pool, torch.empty(2, 1, 256, 4, head_dim), torch.empty(2, 1, 4, 256),
+                                    params=AttnParams(head_dim**-0.5), block_table=table,
+                                    seqused_k=torch.tensor([500], dtype=torch.int32), max_seqlen_k=512)
+    [(constexprs, _)] = fwd_launches
+    assert constexprs["Q_BUFS"] == (2 if head_dim == 64 else 1)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_varlen_forward_stores_from_registers(fwd_launches, head_dim):
     """Packed sequences store from registers: a tile past a sequence's end would overwrite the next

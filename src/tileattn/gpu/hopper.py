@@ -57,6 +57,11 @@ TMA_STORE_HEAD_DIMS = (64, 128)
 # 2026-12-01 14:40, forward alone, two alternating runs): hdim 128 +0.2 to +4.9 % at 2k, -1.8 to +2.8 %
 # at 8k; hdim 64 (with its TMA-store epilogue) -0.5 to -3.1 % in every cell, so it stays off there.
 Q_EARLY_HEAD_DIMS = (128,)
+# The head dims with two pairs of Q buffers (``Q_BUFS`` = 2): the producer loads the next item's Q, and
+# queues its K/V tiles behind it, while the consumers still read the current item's Q, instead of waiting
+# for that Q's release at the item's end. Costs 2 x ROWS_WG x HEAD_DIM x 2 bytes of shared memory: 16 KB
+# at hdim 64 (147.5 KB in all); 128 and 256 have no room (229 and 256 KB against 227).
+DOUBLE_Q_HEAD_DIMS = (64,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
@@ -71,11 +76,12 @@ ORDER_L2_BYTES, ORDER_MIN_GROUP = 24 << 20, 12
 PERSISTENT_MIN_GROUP = 24
 # Dynamic schedule (``DYNAMIC`` in kernels/attn_fwd_hopper.py): a persistent dense causal call whose items
 # outnumber its programs fetches each program's next item with an atomic on a per-call counter instead of
-# the static round-robin. Modelled, not measured (docs/perf-notes.md, "dynamic persistent schedule"): at
+# the static round-robin. Modelled (docs/perf-notes.md, "dynamic persistent schedule"): at
 # hdim 128, 16k tokens a batch, 132 programs, the round-robin balances 85 % of the ideal at 1k-4k, the
 # dynamic fetch 96 %; hdim 64 97 % against 99.5-100 %. With it, groups of DYNAMIC_MIN_GROUP pairs already
 # run persistent (hdim 128 at 4k, hdim 64 at 8k: groups of 12, whose static round-robin lost at hdim 128).
-# Both constants are for the GPU A/B to decide (.scratch/fwd_ab.py's TA_DYN, TA_DYN_MIN_GROUP).
+# Measured on the H200 (docs/perf-notes.md, 2026-12-01 16:21, forward alone): hdim 128 causal +4.0 to
+# +4.7 % at 1k-4k (4k's from groups of 12 going persistent), hdim 64 within the noise but 8k +3 %.
 DYNAMIC_SCHEDULE = True
 DYNAMIC_MIN_GROUP = 12
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
@@ -498,7 +504,7 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
         PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None,
-        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic),
+        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic, Q_BUFS=2 if head_dim in DOUBLE_Q_HEAD_DIMS else 1),
         (q_block, kv_block, kv_block, o_block) + (None,) * 8, numbers)
 
 

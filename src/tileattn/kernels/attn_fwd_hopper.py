@@ -24,6 +24,12 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
   takes its next item from a per-call atomic counter instead: the next free program gets the next
   item of the order (the kernel's docstring).
 
+Q buffers: with ``Q_BUFS`` = 2 (the launcher's rule, where shared memory has room) each warpgroup has
+two Q buffers that successive work items take in turn, so the producer copies the next item's Q, and
+queues that item's K/V tiles behind it, while the current item still reads its own; with one, the
+producer waits at each item boundary until the last item's Q is released (after its last P V
+product, or with ``Q_EARLY`` its last S product) before it issues any copy of the next item.
+
 The output: with ``TMA_STORE`` (dense calls, ``QPACK`` 1, one split: the launcher's rule) each
 consumer warpgroup writes its normalised tile to a shared-memory staging tile of its own and hands it
 to the copy engine (one bulk copy, clipped at ``seqlen_q`` by the descriptor's bounds), waiting for
@@ -237,26 +243,27 @@ def _read_index(slot):
 def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                slots, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-               DYNAMIC: gl.constexpr):
-    """The producer's copies of work item ``w``: the two warpgroups' Q tiles (with ``DYNAMIC`` the
-    index ``w`` posted to each warpgroup's slot first), then K and V tile by tile. ``c``: K/V copies
-    issued so far, ``j``: items loaded so far; returns them updated."""
+               DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr):
+    """The producer's copies of work item ``w``: the two warpgroups' Q tiles into the item's pair of
+    Q buffers (with ``DYNAMIC`` the index ``w`` posted to each warpgroup's slot first), then K and V
+    tile by tile. ``c``: K/V copies issued so far, ``j``: items loaded so far; returns them updated."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
         w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
     if valid:
+        qb, q_phase = _q_buffers(j, Q_BUFS)
         for wg in gl.static_range(2):
-            mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
+            mbarrier.wait(q_empty.index(qb + wg), q_phase ^ 1)
             if DYNAMIC:  # the item's index, read by the warpgroup once this phase completes
-                _post_index(slots.index(wg), w)
-            mbarrier.expect(q_full.index(wg), q_desc.block_type.nbytes)
+                _post_index(slots.index(qb + wg), w)
+            mbarrier.expect(q_full.index(qb + wg), q_desc.block_type.nbytes)
             if QPACK > 1:  # rows (query, head of the group) of the 5-D view (B, S, H_k, QPACK, D)
                 tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + (m_start + wg * ROWS_WG) // QPACK, h,
-                                                         0, 0], q_full.index(wg), q_smem.index(wg))
+                                                         0, 0], q_full.index(qb + wg), q_smem.index(qb + wg))
             else:
                 tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + m_start + wg * ROWS_WG, h, 0],
-                                                q_full.index(wg), q_smem.index(wg))
+                                                q_full.index(qb + wg), q_smem.index(qb + wg))
         for t in range(n_lo, n_hi):
             slot = c % STAGES
             phase = (c // STAGES) & 1
@@ -272,10 +279,18 @@ def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, ge
 
 
 @gluon.jit
+def _q_buffers(j, Q_BUFS: gl.constexpr):
+    """(first Q buffer, barrier phase) of a program's ``j``-th work item: with ``Q_BUFS`` pairs of Q
+    buffers (one buffer per consumer warpgroup in a pair) item j takes pair j % Q_BUFS, at the
+    (j // Q_BUFS)-th phase of that pair's barriers."""
+    return (j % Q_BUFS) * 2, (j // Q_BUFS) & 1
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, slots,
               Counter, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr):
     """The load warp: for each work item, the two warpgroups' Q tiles, then K and V tile by tile.
 
     A buffer is refilled once its consumers have arrived on its ``empty`` barrier (a fresh
@@ -298,33 +313,36 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
         while w < items:
             c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
                               stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                              MASK_RIGHT, PAGE, STAGES, DYNAMIC)
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS)
             w = gl.num_programs(0) + gl.atomic_add(Counter, 1, sem="relaxed")  # the next free item
+        qb, q_phase = _q_buffers(j, Q_BUFS)
         for wg in gl.static_range(2):  # the end: an index past the items, its phase completed without a copy
-            mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
-            _post_index(slots.index(wg), w)
-            mbarrier.arrive(q_full.index(wg), count=1)
+            mbarrier.wait(q_empty.index(qb + wg), q_phase ^ 1)
+            _post_index(slots.index(qb + wg), w)
+            mbarrier.arrive(q_full.index(qb + wg), count=1)
     else:
         for w in range(gl.program_id(0), items, gl.num_programs(0)):
             c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
                               stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                              MASK_RIGHT, PAGE, STAGES, DYNAMIC)
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS)
 
 
 @gluon.jit
-def _consume_item(w, c, j, WG: gl.constexpr, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                   Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit,
                   scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                   PAGE: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-                  WAIT_Q: gl.constexpr):
+                  Q_BUFS: gl.constexpr, WAIT_Q: gl.constexpr):
     """Work item ``w`` for warpgroup ``WG`` (``_consumer``): ``c`` K/V copies and ``j`` items consumed
     before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has)."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
-    dtype: gl.constexpr = q_tile.dtype
+    dtype: gl.constexpr = q_smem.dtype
+    qb, q_phase = _q_buffers(j, Q_BUFS)
+    q_tile = q_smem.index(qb + WG).reshape([ROWS_WG, HEAD_DIM])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -350,7 +368,7 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_tile, s_zero, k_ring, v_ring, bar
         o = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, layout=o_layout)  # [ROWS_WG, HEAD_DIM]
         off = c - n_lo  # tile t of this item is the ring's copy t + off
         if WAIT_Q:  # (DYNAMIC: the caller waited, to read the item's index)
-            mbarrier.wait(q_full.index(WG), j & 1)
+            mbarrier.wait(q_full.index(qb + WG), q_phase)
         if n_hi > n_lo:
             # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
             k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
@@ -378,7 +396,7 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_tile, s_zero, k_ring, v_ring, bar
             if Q_EARLY:  # Q's last reader, the last S product, has completed: the producer may load
                 # the next item's Q, and the K/V tiles it queues behind it, during this item's last
                 # P V product and epilogue
-                mbarrier.arrive(q_empty.index(WG), count=1)
+                mbarrier.arrive(q_empty.index(qb + WG), count=1)
             v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
             if PAGE > 0:
                 if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
@@ -387,9 +405,9 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_tile, s_zero, k_ring, v_ring, bar
             o = warpgroup_mma(p_op, v_tile, o)
             mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
         elif Q_EARLY:  # no key tile read Q
-            mbarrier.arrive(q_empty.index(WG), count=1)
+            mbarrier.arrive(q_empty.index(qb + WG), count=1)
         if not Q_EARLY:
-            mbarrier.arrive(q_empty.index(WG), count=1)  # the producer may load the next item's Q
+            mbarrier.arrive(q_empty.index(qb + WG), count=1)  # the producer may load the next item's Q
         c += n_hi - n_lo
         j += 1
 
@@ -423,7 +441,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
               stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots,
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr, DYNAMIC: gl.constexpr):
+              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr, DYNAMIC: gl.constexpr,
+              Q_BUFS: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
@@ -441,15 +460,17 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
     completed, not after the item's last P V product (the launcher's rule: the head dims where
     this was measured to gain).
 
-    ``DYNAMIC``: the warpgroup learns each item's index from its slot (``slots[WG]``) once the
-    item's ``q_full`` phase has completed, and leaves at an index past the items (``_producer``)."""
+    ``DYNAMIC``: the warpgroup learns each item's index from its slot once the item's ``q_full``
+    phase has completed, and leaves at an index past the items (``_producer``).
+
+    ``Q_BUFS``: item j reads Q buffer, barriers and slot ``2 (j % Q_BUFS) + WG`` at phase
+    ``(j // Q_BUFS) & 1`` (``_q_buffers``)."""
     q_full = bars[0]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, layout=s_layout)
-    q_tile = q_smem.index(WG).reshape([ROWS_WG, HEAD_DIM])
     if TMA_STORE:
         o_stage = o_stages.index(WG)  # [1, ROWS_WG, 1, HEAD_DIM]
     else:
@@ -459,21 +480,22 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
     c = 0  # K/V copies consumed so far: the ring position of the item's first tile
     j = 0  # work items done: the Q buffer's phase
     if DYNAMIC:
-        mbarrier.wait(q_full.index(WG), 0)  # the first item's Q (or the end)
+        mbarrier.wait(q_full.index(WG), 0)  # the first item's Q (or the end): pair 0, phase 0
         w = _read_index(slots.index(WG))
         while w < items:
-            c, j = _consume_item(w, c, j, WG, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+            c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
                                  stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, False)
-            mbarrier.wait(q_full.index(WG), j & 1)  # the next item's Q (or the end), after this item's epilogue
-            w = _read_index(slots.index(WG))
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, False)
+            qb, q_phase = _q_buffers(j, Q_BUFS)
+            mbarrier.wait(q_full.index(qb + WG), q_phase)  # the next item's Q (or the end), after this item's epilogue
+            w = _read_index(slots.index(qb + WG))
     else:
         for w in range(gl.program_id(0), items, gl.num_programs(0)):
-            c, j = _consume_item(w, c, j, WG, q_tile, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
+            c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
                                  stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, True)
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, True)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the staging tile before the program ends
 
@@ -486,7 +508,7 @@ def _attn_fwd_hopper_kernel(
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-    DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
@@ -530,6 +552,10 @@ def _attn_fwd_hopper_kernel(
       index to both slots, and a consumer takes its j-th item from the j-th phase of its
       ``q_full``. So each consumer consumes exactly the K/V copies the producer issues, in the
       same ring order, as in the static schedule (whose barrier protocol is unchanged).
+    * With ``Q_BUFS`` pairs of Q buffers, item j uses buffer pair j % Q_BUFS (``_q_buffers``): Q
+      barriers, Q buffer and slot are per (pair, warpgroup), and each is used by every Q_BUFS-th
+      item, so what is said below of ``q_full[wg]``, ``q_empty[wg]`` and ``slots[wg]`` holds for
+      each pair's; the producer runs at most Q_BUFS items ahead on Q, the K/V ring keeps its order.
     * A slot is written again only after ``q_empty[wg]`` of the item it holds has completed, and
       a consumer arrives there only after reading the slot (the index drives the whole item), so
       no index is overwritten unread. The producer's lanes all write the slot, then the warp's
@@ -548,11 +574,11 @@ def _attn_fwd_hopper_kernel(
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -564,10 +590,10 @@ def _attn_fwd_hopper_kernel(
         o_stage: gl.constexpr = None
     if DYNAMIC:  # each consumer warpgroup's slot for the index of its next work item
         gl.static_assert(not IS_VARLEN, "every dynamic item is valid (dense rows)")
-        slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        slots = gl.allocate_shared_memory(gl.int32, [2 * Q_BUFS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
         slots: gl.constexpr = None
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
@@ -582,12 +608,12 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC)),
+                     DYNAMIC, Q_BUFS)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC)),
+                     DYNAMIC, Q_BUFS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                      slots, Counter, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES,
-                     DYNAMIC)),
+                     DYNAMIC, Q_BUFS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
