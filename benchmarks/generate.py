@@ -101,7 +101,7 @@ def main() -> None:
         # Every implementation is warmed up (compiled) first, then the timed calls alternate between
         # them round by round, so the host's drift over the run (the calls are host-bound) falls on
         # every implementation alike rather than on whichever ran last.
-        live = []
+        live, mode_rows = [], []
         for impl in impls:
             model.set_attn_implementation(impl)
             row = dict(impl=impl, mode=mode, batch=batch, new_tokens=new, layers=case["layers"], times=[])
@@ -112,7 +112,7 @@ def main() -> None:
                 live.append(row)
             except Exception as err:  # a failing row is reported, the others still run
                 row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-            rows.append(row)
+            mode_rows.append(row)
         for _ in range(1 if args.smoke else 3):
             for row in list(live):
                 model.set_attn_implementation(row["impl"])
@@ -128,10 +128,11 @@ def main() -> None:
                 except Exception as err:
                     row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                     live.remove(row)
-        for row in rows:
+        for row in mode_rows:
             times = row.pop("times")
             if times and "note" not in row:
                 row["tokens_per_s"] = round(batch * new / statistics.median(times), 1)
+        rows += mode_rows
         common.write_csv(f"{args.out}/generate.csv", rows, env, quiet=True)
         torch._dynamo.reset()
     for row in rows:
