@@ -16,7 +16,7 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
 device-side value check's launch and assertion, the append, the launcher) for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
-and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
+split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
 as they do on a GPU (``value_mode`` "device"; the cache check asserting in its kernel); the
 other asynchronous assertions are made on a true flag, since stand-in kernels write nothing. overhead.py times whole calls on the GPU.
@@ -180,6 +180,10 @@ def whole_calls():
     yield "decode contiguous", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
     yield "decode paged16", lambda: tileattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
                                                                       block_table=table)
+    yield "decode contiguous, 16 splits", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                                                    num_splits=16)
+    yield "decode paged16, 33 splits", lambda: tileattn.flash_attn_with_kvcache(
+        q, pool_k, pool_v, cache_seqlens=lens, block_table=table, num_splits=33)
     yield "decode contiguous + append", lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, k=new, v=new,
                                                                                   cache_seqlens=lens)
     yield "decode paged16 + append", lambda: tileattn.flash_attn_with_kvcache(

@@ -132,7 +132,8 @@ def test_host_launch_times_triton_and_direct_launches():
     rows = [line.split() for line in launchers.splitlines()[1:]]
     assert len(rows) == 3 and all(float(r[-1]) > 0 for r in rows), proc.stdout
     calls = [line.rsplit(maxsplit=1) for line in whole.strip().splitlines()[1:]]
-    assert [name.strip() for name, _ in calls] == ["decode contiguous", "decode paged16", "decode contiguous + append",
+    assert [name.strip() for name, _ in calls] == ["decode contiguous", "decode paged16", "decode contiguous, 16 splits",
+                                                   "decode paged16, 33 splits", "decode contiguous + append",
                                                    "decode paged16 + append", "flash_attn_func, dense k/v"], proc.stdout
     assert all(float(us) > 0 for _, us in calls), proc.stdout
     paths = {}

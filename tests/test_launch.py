@@ -469,3 +469,20 @@ def test_arg_classes_equal_the_isinstance_chain():
         for shift in range(3):  # each value under a specialised and an unspecialised name
             args = values[shift:] + values[:shift]
             assert arg_classes(fn, args) == chain(fn, args)
+
+
+@pytest.mark.parametrize("shapes", [((16, 1, 1, 32, 128), (16, 1, 32, 1)), ((3, 2, 5, 7, 40), (3, 2, 7, 5))])
+def test_partials_workspace_is_two_contiguous_views_of_one_buffer(shapes):
+    """The split partials' (o, lse): contiguous fp32 views of one allocation, lse from the first
+    128-byte boundary past o, each writable without touching the other."""
+    o_parts, lse_parts = L.partials_workspace(shapes, "cpu")
+    o_numel = o_parts.numel()
+    assert (o_parts.shape, lse_parts.shape) == shapes
+    assert o_parts.is_contiguous() and lse_parts.is_contiguous()
+    assert o_parts.dtype == lse_parts.dtype == torch.float32
+    assert o_parts.untyped_storage().data_ptr() == lse_parts.untyped_storage().data_ptr()
+    assert o_parts.storage_offset() == 0 and lse_parts.storage_offset() == -(-o_numel // 32) * 32
+    assert lse_parts.untyped_storage().nbytes() == 4 * (lse_parts.storage_offset() + lse_parts.numel())
+    o_parts.fill_(1.0)
+    lse_parts.fill_(2.0)
+    assert bool((o_parts == 1.0).all()) and bool((lse_parts == 2.0).all())

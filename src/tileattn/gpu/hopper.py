@@ -344,9 +344,7 @@ def _rebase(kept: tuple, t: torch.Tensor):
     cls, fields = kept
     assert t.data_ptr() % 16 == 0, "base must be 16-byte aligned"
     desc = object.__new__(cls)
-    fields = fields.copy()
-    fields["base"] = t
-    desc.__dict__ = fields
+    desc.__dict__ = {**fields, "base": t}  # the kept fields in their order, base in its place
     return desc
 
 

@@ -93,6 +93,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                          return_attn_probs, learnable_sink)
         _CHECKED.put(key, checked)
         checked.lane = None if key is not None else False  # only a kept signature's calls take a lane
+    lane = checked.lane
+    if lane and alibi_slopes is None and learnable_sink is None and checked.unit_last and not return_attn_probs:
+        return lane(q, k, v, None, None, None, None, None, None)[0]  # the common call: nothing to check or copy
     batch, seqlen_q = q.shape[0], q.shape[1]
     alibi = None if alibi_slopes is None else V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     sink = None if learnable_sink is None else V.check_sink(learnable_sink, q, q.shape[2])
@@ -100,12 +103,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     params = checked.params if checked.params.dropout_p == 0.0 else with_dropout_seed(checked.params, q.device)
     if not checked.unit_last:  # a copy of those whose last dim is strided
         q, k, v = V.last_dim_contiguous(q), V.last_dim_contiguous(k), V.last_dim_contiguous(v)
-    if checked.lane:
-        out, lse = checked.lane(q, k, v, alibi, sink, None, None, None, None)
+    if lane:
+        out, lse = lane(q, k, v, alibi, sink, None, None, None, None)
     else:
         out, lse = attention(q, k, v, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
                              deterministic=deterministic, learnable_sink=sink, backend=checked.backend)
-        if checked.lane is None:  # the signature's first call: its later calls' launch, decided once
+        if lane is None:  # the signature's first call: its later calls' launch, decided once
             checked.lane = prepare(q, k, v, out, lse, params, alibi_slopes=alibi, max_seqlen_q=seqlen_q,
                                    max_seqlen_k=k.shape[1], seqused_k=None, block_table=None, num_splits=1,
                                    learnable_sink=sink, k_descale=None, backend=checked.backend,
