@@ -57,9 +57,11 @@ class Memo:
 
     def __init__(self, size: int = 256):
         self.size, self.entries = size, {}
-        # get(key): the entry, or None (for a None key too: none is put). The dict's own method,
-        # without a Python frame per call; put and clear keep the one dict.
-        self.get = self.entries.get
+
+    def get(self, key):
+        # a method, not the dict's own bound ``get`` kept as an attribute: torch 2.11's dynamo cannot
+        # trace that builtin (fullgraph compiles of flash_attn_func failed on the GPU host, 2026-12-01)
+        return None if key is None else self.entries.get(key)
 
     def put(self, key, value) -> None:
         if key is None:
