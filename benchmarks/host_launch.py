@@ -14,7 +14,8 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
   launches), every launch direct.
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
-device-side value check's launch and assertion, the append, the launcher) for the same
+device-side value check's launch and assertion, or the forward kernel's own check where the
+call folds it in, the append, the launcher), with the kernel launches it makes, for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
 split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
@@ -259,6 +260,12 @@ def print_training(title: str, cells, args) -> None:
         print(f"{cell_name(nheads, head_dim, causal):44s} {fwd_us:8.1f} {step_us:10.1f} {no_grad_us:8.1f}   {paths}")
 
 
+def launches_made() -> int:
+    """Kernel launches that went straight to their (stand-in) compiled kernel so far, every kernel:
+    what a whole call launches (once its launches are kept)."""
+    return sum(launch.fast_calls for table in (L._LAUNCHES, C._LAUNCHES) for launch in table.values())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
@@ -292,6 +299,7 @@ def main():
     os.environ["TILEATTN_BACKEND"] = "triton"
     C._cache_check_kernel, KV._append_kv_kernel = _Kernels(C._cache_check_kernel), _Kernels(KV._append_kv_kernel)
     _validate.value_mode = lambda t: "device"
+    _validate.kernel_asserts = lambda t: True  # kernels keep their device assertions, as compiled for a GPU
 
     class Asserting(C.CacheCheck):  # the cache check as on a GPU: asserting in its kernel, no flag
         __slots__ = ()
@@ -302,9 +310,14 @@ def main():
     C.CacheCheck = Asserting
     true = torch.ones(1, dtype=torch.bool)
     _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
-    print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}")
+    print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}   launches per call")
     for name, call in whole_calls():
-        print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}")
+        call(), call()  # the signature's first call checks and prepares, its second keeps its launches
+        before = launches_made()
+        for _ in range(10):
+            call()
+        launches = (launches_made() - before) / 10
+        print(f"{name:44s} {median_us(call, args.calls, args.repeat):20.1f}   {launches:g}")
     B._attn_bwd_preprocess = _Kernels(B._attn_bwd_preprocess)
     B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
     print_training("training step (µs, median), as on this CPU", TRAINING_CELLS[:2], args)

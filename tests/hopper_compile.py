@@ -77,8 +77,10 @@ def compile_launch(fn, args, kwargs):
     16-byte aligned, integers equal to 1 folded, integers divisible by 16 marked so)."""
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "debug", "sanitize_overflow") if k in kwargs}
-    names = list(inspect.signature(fn.fn).parameters)
-    bound = {**dict(zip(names, args)), **kwargs}
+    parameters = inspect.signature(fn.fn).parameters
+    names = list(parameters)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    bound = {**defaults, **dict(zip(names, args)), **kwargs}
     signature, constexprs, attrs = {}, {}, {}
     aligned = [["tt.divisibility", 16]]
     for i, (name, param) in enumerate(zip(names, fn.params)):
@@ -346,6 +348,17 @@ def forward_variants(launches, q):
             yield fn, args, kwargs
 
 
+def checked_variants(todo):
+    """The forward launches over a KV cache that ``FwdPlan.checking_launch`` folds the cache's value
+    check into (``seqused_k``, not packed, no left window): each again as that launch compiles it,
+    ``CHECK_CACHE`` with Triton's ``debug`` option and ``sanitize_overflow`` off."""
+    for name, fn, args, kwargs in todo:
+        if (fn is fwd_launcher._attn_fwd_kernel and kwargs["HAS_SEQUSED_K"] and not kwargs["IS_VARLEN"]
+                and not kwargs["MASK_LEFT"]):
+            yield name, fn, args, dict(kwargs, CHECK_CACHE=True, CHECK_BLOCK_P=32 * kwargs["num_warps"], debug=True,
+                                       sanitize_overflow=False)
+
+
 def wide(meta) -> bool:
     """Whether a forward launch takes the wide tile (fixed, never autotuned)."""
     return fwd_launcher.is_wide(meta["HEAD_DIM_PAD"], meta.get("HEAD_DIM_TAIL_PAD", 0), meta["HEAD_DIM_V_PAD"])
@@ -568,6 +581,7 @@ def main() -> int:
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
         todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
                                                                          **kwargs), q)]
+    todo += [(name + " checked", *launch) for name, *launch in checked_variants(todo)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
     for name, tensors, kwargs in append_cases():
@@ -576,6 +590,7 @@ def main() -> int:
         for how, launcher in (("", check_launcher.cache_values_ok), (" asserting", asserting_check)):
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
+    plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
                 or (k == "DYNAMIC" and v)}
@@ -595,11 +610,15 @@ def main() -> int:
                 verdict = f"FAIL spills ({usage})"
             elif stack and must_not_spill(fn, kwargs):
                 verdict = f"FAIL the wide tile spills ({usage})"
+            elif kwargs.get("CHECK_CACHE") and stack and not plain_stack.get((name[:-len(" checked")], str(tile))):
+                verdict = f"FAIL the folded cache check spills ({usage})"  # where the launch without it does not
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if fn is fwd_launcher._attn_fwd_kernel and not kwargs.get("CHECK_CACHE"):
+            plain_stack[name, str(tile)] = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
         failures += not verdict.startswith("ok")
         print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)
     print(f"{len(todo)} variants compiled for sm_90, {failures} failed")

@@ -227,6 +227,33 @@ _BAD_VALUES = {
                 "good = torch.tensor([0, 5], dtype=torch.int32, device='cuda')\n"
                 "bad = torch.tensor([0, 21], dtype=torch.int32, device='cuda')\n",
                 "q, c, c, cache_seqlens=lens, cache_leftpad=good", "q, c, c, cache_seqlens=lens, cache_leftpad=bad"),
+    # the decoding lane's own check (the forward kernel's CHECK_CACHE): a negative length, a length
+    # past a paged cache's capacity, a block id past the pool or below 0 in the last page in use of
+    # a sequence split across programs
+    "negative length": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                        "c = torch.randn(2, 4096, 2, 64, device='cuda', dtype=torch.float16)\n"
+                        "good = torch.tensor([3, 4000], dtype=torch.int32, device='cuda')\n"
+                        "bad = torch.tensor([-1, 4000], dtype=torch.int32, device='cuda')\n",
+                        "q, c, c, cache_seqlens=good", "q, c, c, cache_seqlens=bad"),
+    "paged length": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                     "c = torch.randn(64, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                     "t = torch.arange(64, dtype=torch.int32, device='cuda').view(2, 32)\n"
+                     "good = torch.tensor([3, 512], dtype=torch.int32, device='cuda')\n"
+                     "bad = torch.tensor([3, 513], dtype=torch.int32, device='cuda')\n",
+                     "q, c, c, cache_seqlens=good, block_table=t", "q, c, c, cache_seqlens=bad, block_table=t"),
+    "block id, split": ("q = torch.randn(1, 1, 32, 128, device='cuda', dtype=torch.bfloat16)\n"
+                        "c = torch.randn(600, 16, 8, 128, device='cuda', dtype=torch.bfloat16)\n"
+                        "lens = torch.tensor([8000], dtype=torch.int32, device='cuda')\n"
+                        "good = torch.arange(512, dtype=torch.int32, device='cuda').view(1, 512)\n"
+                        "bad = good.clone(); bad[0, 499] = 600\n",
+                        "q, c, c, cache_seqlens=lens, block_table=good", "q, c, c, cache_seqlens=lens, block_table=bad"),
+    "negative block id, split": ("q = torch.randn(1, 1, 32, 128, device='cuda', dtype=torch.bfloat16)\n"
+                                 "c = torch.randn(600, 16, 8, 128, device='cuda', dtype=torch.bfloat16)\n"
+                                 "lens = torch.tensor([8000], dtype=torch.int32, device='cuda')\n"
+                                 "good = torch.arange(512, dtype=torch.int32, device='cuda').view(1, 512)\n"
+                                 "bad = good.clone(); bad[0, 3] = -1\n",
+                                 "q, c, c, cache_seqlens=lens, block_table=good",
+                                 "q, c, c, cache_seqlens=lens, block_table=bad"),
     # a grid of programs (64 sequences x 256 pages): a block id past the pool in the last rows
     "block table": ("q = torch.randn(64, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
                     "c = torch.randn(300, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
@@ -244,7 +271,10 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     cache's lengths, left pads or block table, no synchronisation in the call, the failure at the
     next synchronisation, raised by the check kernel's own assertion (its message in the output).
     A valid call comes first: a kernel's first launch in a process loads its module, which waits
-    for the device (and would report the failed assertion there, inside the call)."""
+    for the device (and would report the failed assertion there, inside the call). The call after
+    it takes the signature's lane: without left pads the forward kernel asserts itself (its
+    ``CHECK_CACHE``, no separate check launched; the script prints which kernel checked), with
+    them the check kernel does."""
     import os
     import subprocess
     import sys
@@ -253,9 +283,18 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     script = (
         "import torch, tileattn\n" + setup +
         f"tileattn.flash_attn_with_kvcache({good})\n"
+        f"tileattn.flash_attn_with_kvcache({good})\n"  # the lane's first call: its kernels loaded too
         "torch.cuda.synchronize()\n"
+        "from tileattn.gpu import _launch, checks\n"
+        "def launched(table, fold):\n"
+        "    return sum(l.fast_calls for l in table.values() if fold is None or l.constexprs.get('CHECK_CACHE') == fold)\n"
+        "before = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
         f"tileattn.flash_attn_with_kvcache({bad})\n"
+        "after = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
+        "fwd, check = after[1] > before[1], after[0] > before[0]\n"
+        "print('CHECKED BY', 'the forward kernel' if fwd and not check else 'the check kernel' if check and not fwd\n"
+        "      else 'both or neither', flush=True)\n"
         "torch.cuda.set_sync_debug_mode('default')\n"
         "print('CALL RETURNED', flush=True)\n"
         "torch.cuda.synchronize()\n"
@@ -266,3 +305,174 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     assert "CALL RETURNED" in done.stdout and "NOT REPORTED" not in done.stdout, done.stdout + done.stderr
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
     assert "tileattn: a KV cache's lengths" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
+    checker = "the check kernel" if case == "leftpad" else "the forward kernel"
+    assert f"CHECKED BY {checker}" in done.stdout, done.stdout
+
+
+# ------------------------------------------------------------------ the check folded into the decoding launch
+
+
+_FOLD_BAD = {  # (cache_seqlens, block table or None): each out of range in a value some program reads by
+    "length past the capacity": ([5, 13], None),
+    "negative length": ([-1, 3], None),
+    "block id past the pool": ([5, 12], [[3, 1, 0], [2, 5, 9]]),
+    "negative block id": ([5, 12], [[-2, 1, 0], [2, 5, 8]]),
+}
+
+
+@pytest.fixture
+def asserting_interpreter(monkeypatch):
+    """Triton's interpreter keeping device assertions, as the ``debug`` option keeps them when compiling:
+    a failed one raises (InterpreterError, with the assertion's message), and the ops layer relies on
+    them as on a GPU (``kernel_asserts``)."""
+    from triton.runtime import interpreter
+
+    from tileattn.gpu._tuning import interpreting
+    from tileattn.ops import _validate
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        interpreter.InterpreterOptions(debug=True, sanitize_overflow=False))
+    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)
+
+
+def _count_check_launches(monkeypatch) -> list:
+    """A list that grows by one per launch of the separate cache check (``gpu.checks.CacheCheck``)."""
+    from tileattn.gpu import checks
+
+    seen, call = [], checks.CacheCheck.__call__
+    monkeypatch.setattr(checks.CacheCheck, "__call__", lambda self, *args: seen.append(1) or call(self, *args))
+    return seen
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_decoding_lane_checks_the_cache_in_its_own_kernel(device_checks, asserting_interpreter, monkeypatch, paged,
+                                                              num_splits):
+    """A kept signature's decoding call (no append) launches no separate check: the forward kernel's
+    programs assert the values they read by (``CHECK_CACHE``), with the check kernel's message,
+    and give the bits the unchecked kernel gave; a bad entry in a page not in use passes."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(88)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    cache = torch.randn(9, 4, 2, 16, generator=gen) if paged else torch.randn(2, 12, 2, 16, generator=gen)
+    good_table = torch.tensor([[3, 1, 0], [2, 5, 8]], dtype=torch.int32) if paged else None
+
+    def call(lens, table=good_table):
+        return tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                                block_table=table, num_splits=num_splits)
+
+    first = call([5, 12])  # the signature's first call: the separate check, then the lane is prepared
+    checks = _count_check_launches(monkeypatch)
+    assert torch.equal(call([5, 12]), first) and not checks
+    if paged:  # entry 9 lies in sequence 1's third page, which 8 keys do not reach
+        call([5, 8], torch.tensor([[3, 1, 0], [2, 5, 9]], dtype=torch.int32))
+    for name, (lens, table) in _FOLD_BAD.items():
+        if (table is None) != (not paged):
+            continue
+        with pytest.raises(Exception, match="tileattn: a KV cache's lengths"):
+            call(lens, None if table is None else torch.tensor(table, dtype=torch.int32))
+    assert not checks
+    from tileattn.gpu import attention
+
+    attention.clear_plans()  # the lane's plan forgotten (new tiles): the check launched apart, then attn_fwd
+    with pytest.raises(Exception, match="tileattn: a KV cache's lengths"):
+        call([5, 13] if not paged else [5, 12], None if not paged else torch.tensor([[3, 1, 0], [2, 5, 9]],
+                                                                                  dtype=torch.int32))
+    assert checks
+
+
+def test_a_program_that_finds_a_bad_value_reads_no_key(device_checks, monkeypatch):
+    """Were the device assertion to return (it traps: ``__assertfail`` is noreturn), the program that
+    found the bad value would read no key: its rows come out empty (0, lse -inf), the other
+    sequence's as before (the interpreter, whose assertions are off by default, stands for that)."""
+    from tileattn.gpu._tuning import interpreting
+    from tileattn.ops import _validate
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)  # the fold taken, its assertion off
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(89)
+    q, cache = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(3, 12, 2, 16, generator=gen)
+    kc = cache[:2]  # rows 0 and 1; a length past 12 would read row 1's, then row 2's keys
+
+    def call(lens):
+        return tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                                return_softmax_lse=True)
+
+    call([5, 12])
+    good_out, good_lse = call([5, 12])
+    out, lse = call([5, 30])
+    assert torch.equal(out[0], good_out[0]) and torch.equal(lse[0], good_lse[0])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def _folded_launches() -> int:
+    """Launches of a forward kernel with the cache check folded in, so far."""
+    from tileattn.gpu import _launch
+
+    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get("CHECK_CACHE"))
+
+
+_FOLD_LAYOUTS = {  # name: (batch, page size or 0, num_splits)
+    "contiguous, split as the rule says": (1, 0, 0),
+    "contiguous, batch 3, unsplit": (3, 0, 1),
+    "paged 16, split as the rule says": (1, 16, 0),
+    "paged 16, batch 3, 5 splits": (3, 16, 5),
+    "paged 64, batch 3, split as the rule says": (3, 64, 0),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_FOLD_LAYOUTS))
+def test_the_folded_check_gives_the_same_bits_eager_and_replayed(layout, monkeypatch):
+    """The decoding lane with the check folded in (the default on CUDA tensors) against the same
+    lane without any check (TILEATTN_DEBUG_CHECKS=0), bitwise: eager, replayed from a CUDA graph
+    as captured by default (no value check during capture) and replayed with the folded kernel
+    captured (value checks forced on during the capture)."""
+    from tileattn.ops import _validate
+
+    batch, page, splits = _FOLD_LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(90)
+    q = rand(batch, 1, 32, 128, gen=gen)
+    lens = torch.tensor([8000, 17, 4096][:batch], dtype=torch.int32, device="cuda")
+    if page:
+        blocks = 8192 // page
+        k_cache, v_cache = rand(batch * blocks + 7, page, 8, 128, gen=gen), rand(batch * blocks + 7, page, 8, 128, gen=gen)
+        table = torch.randperm(batch * blocks + 7, device="cuda", generator=gen)[:batch * blocks]
+        table = table.view(batch, blocks).to(torch.int32)
+    else:
+        k_cache, v_cache, table = rand(batch, 8192, 8, 128, gen=gen), rand(batch, 8192, 8, 128, gen=gen), None
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                num_splits=splits, return_softmax_lse=True)
+
+    monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "0")
+    call()
+    plain = call()  # the lane, unchecked
+    monkeypatch.delenv("TILEATTN_DEBUG_CHECKS")
+    before = _folded_launches()
+    folded = call()
+    assert _folded_launches() == before + 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(folded, plain))
+
+    for force in (False, True):
+        if force:
+            monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        before = _folded_launches()
+        with torch.cuda.graph(graph):
+            captured = call()
+        assert _folded_launches() == before + force
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, plain)), f"captured {'folded' if force else 'plain'}"

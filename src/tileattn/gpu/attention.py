@@ -429,6 +429,9 @@ class FwdPlan:
             nheads_k = k_shape[1]
             stride_kb, stride_ks, stride_kh = 0, k_stride[0], k_stride[1]
             stride_vb, stride_vs, stride_vh = 0, v_stride[0], v_stride[1]
+        # (keys a sequence's cache holds, blocks of the pool): what ``CHECK_CACHE`` checks against
+        cache_bounds = (table[0] * k_shape[1], k_shape[0]) if paged else (0 if varlen else k_shape[1], 0)
+        self.cache_top, self.num_blocks = cache_bounds
         if paged:
             page_size = k_shape[1]
             seqlen_k = max_seqlen_k if max_seqlen_k > 0 else table[0] * page_size
@@ -514,7 +517,7 @@ class FwdPlan:
             stride_vb, stride_vs, stride_vh,
             *o_strides, *l_strides,
             alibi[0][0] if alibi else 0, alibi[0][1] if alibi else 0, table[1] if paged else 0,
-            nheads, seqlen_q, seqlen_k, max_rows, min_seqlen_q, num_splits,
+            nheads, seqlen_q, seqlen_k, max_rows, min_seqlen_q, num_splits, *cache_bounds,
         )
         flags = dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
@@ -527,7 +530,7 @@ class FwdPlan:
             HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
             DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
-            V_IS_K=v_is_k, SINGLE_LOOP=wide,
+            V_IS_K=v_is_k, SINGLE_LOOP=wide, CHECK_CACHE=False, CHECK_BLOCK_P=128,  # the check: checking_launch
         )
         self.flags = flags
 
@@ -584,6 +587,22 @@ class FwdPlan:
                           learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
         if self.combine is not None and combine:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
+
+    def checking_launch(self) -> Launch | None:
+        """``fwd`` with the KV cache's value check folded in (the kernel's ``CHECK_CACHE``, compiled
+        with Triton's ``debug`` option and ``sanitize_overflow`` off), for a caller that would
+        otherwise launch ``gpu.checks``' kernel before it with the lengths' top at the cache's
+        capacity (no append) and no left pads; None where the fold would not check what that
+        kernel does: no tile yet, a mixed batch, packed queries, no ``seqused_k``, a left window
+        (pages before it are read by no program), no query rows (no program), a block table
+        without columns (nothing to clamp a bad length's page ids to)."""
+        flags, fwd = self.flags, self.fwd
+        if (fwd is None or self.long is not None or flags["IS_VARLEN"] or not flags["HAS_SEQUSED_K"]
+                or flags["MASK_LEFT"] or self.grid[0] == 0 or flags["IS_PAGED"] and self.cache_top == 0):
+            return None
+        return launch_for(_attn_fwd_kernel,
+                          dict(fwd.constexprs, CHECK_CACHE=True, CHECK_BLOCK_P=32 * fwd.options["num_warps"]),
+                          dict(fwd.options, debug=True, sanitize_overflow=False), self._signature)
 
     def call_ints(self, k, v) -> tuple:
         """The integer arguments of a launch on these keys and values: ``ints``, with the call's own

@@ -17,6 +17,12 @@ portable plan serves the calls it declines (through ``attn_fwd`` while that plan
 to tune: its first such call tunes it). Calls with dropout (whose seed changes every call) get no
 launch. ``clear_plans`` (new tile constants) sends every prepared portable launch back to
 ``attn_fwd``.
+
+A launch over a KV cache whose plan can fold the cache's value check into its kernel
+(``FwdPlan.checking_launch``) has ``folds_cache_check``: a call with ``check_cache=True`` then
+launches that kernel, which asserts the lengths and block-table entries each program reads by
+before it reads a key, instead of the plain one. The ops layer asks for it in place of launching
+``gpu.checks``' kernel first (``tileattn.ops.kvcache``): one launch fewer per decoding call.
 """
 
 from __future__ import annotations
@@ -50,10 +56,13 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     hopper = fwd_signature_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=False,
                                   paged=block_table is not None, seqused_k=seqused_k, num_splits=num_splits,
                                   max_seqlen_q=max_seqlen_q) is None
+    # the cache's value check folded into the kernel: public calls only (the diagonal where the last
+    # query block's splits read every page in use, kernels/attn_fwd.py)
+    checking = plan.checking_launch() if not hopper and params.diag_shift == 0 else None
     return PreparedFwd(plan, (*plan.call_ints(k, v), *A.scalar_args(params, q.shape[-2])),
                        dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=num_splits),
                        (tuple(out.shape), tuple(lse.shape), lse.dtype),
-                       HopperFwd(params, max_seqlen_q, max_seqlen_k) if hopper else None, out_like_q)
+                       HopperFwd(params, max_seqlen_q, max_seqlen_k) if hopper else None, out_like_q, checking)
 
 
 class PreparedFwd:
@@ -61,18 +70,25 @@ class PreparedFwd:
     block_table, k_descale, v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, does
     into them what ``attn_fwd`` with the prepared options does (with ``hopper``, the signature's
     ``HopperFwd``: the Hopper kernel when the call's part of its rule takes the call; else split
-    partials in a fresh workspace, then their merge) and returns them. ``calls`` counts its calls."""
+    partials in a fresh workspace, then their merge) and returns them. ``calls`` counts its calls.
+
+    ``checking``: the plan's kernel with the KV cache's value check folded in (``folds_cache_check``),
+    which a call with ``check_cache`` launches instead: the lengths' top is the cache's capacity and
+    there are no left pads (the ops layer's lane calls). Should the plans have been forgotten since,
+    such a call launches ``gpu.checks``' kernel before ``attn_fwd``, as the ops layer would."""
 
     __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "hopper", "out_like_q", "generation",
-                 "calls")
+                 "calls", "checking", "folds_cache_check")
 
     def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple, hopper: HopperFwd | None = None,
-                 out_like_q: bool = False):
+                 out_like_q: bool = False, checking=None):
         self.plan, self.tail, self.options, self.generation, self.calls = plan, tail, options, A.generation, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
         self.hopper, self.out_like_q = hopper, out_like_q
+        self.checking, self.folds_cache_check = checking, checking is not None
 
-    def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
+    def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale,
+                 check_cache: bool = False):
         out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         self.calls += 1
@@ -81,15 +97,29 @@ class PreparedFwd:
             hopper(q, k, v, out, lse, learnable_sink)
             return out, lse
         plan = self.plan
+        fwd = self.checking if check_cache else plan.fwd
         if self.generation != A.generation or plan.fwd is None:  # plans forgotten (stale tiles), or a tile to tune
+            if check_cache:
+                self._check_apart(seqused_k, block_table, k.shape[1])
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
         elif plan.combine is None:
-            plan.fwd(plan.grid, q, k, v, out, lse, alibi_slopes, learnable_sink, None, None, seqused_k, block_table,
-                     k_descale, v_descale, *self.tail)
+            fwd(plan.grid, q, k, v, out, lse, alibi_slopes, learnable_sink, None, None, seqused_k, block_table,
+                k_descale, v_descale, *self.tail)
         else:
             o_parts, lse_parts = plan.new_workspace(q.device)
-            plan.fwd(plan.grid, q, k, v, o_parts, lse_parts, alibi_slopes, learnable_sink, None, None, seqused_k,
-                     block_table, k_descale, v_descale, *self.tail)
+            fwd(plan.grid, q, k, v, o_parts, lse_parts, alibi_slopes, learnable_sink, None, None, seqused_k,
+                block_table, k_descale, v_descale, *self.tail)
             plan.combine(plan.combine_grid, o_parts, lse_parts, out, lse, learnable_sink, *plan.combine_ints)
         return out, lse
+
+    def _check_apart(self, seqused_k, block_table, page_size: int) -> None:
+        """The check ``checking`` folds, as a launch of its own (``gpu.checks``)."""
+        from ..kernels.checks import ASSERT_MESSAGE
+        from .checks import CacheCheck
+
+        plan = self.plan
+        ok = CacheCheck(seqused_k, plan.cache_top, None, block_table, 0, page_size, plan.num_blocks,
+                        asserting=seqused_k.is_cuda)(seqused_k, None, block_table)
+        if ok is not None:  # CPU tensors (Triton's interpreter): the flag
+            torch._assert_async(ok, ASSERT_MESSAGE.value)

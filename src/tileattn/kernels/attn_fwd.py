@@ -46,15 +46,26 @@ the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale an
 output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
 starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
 with it the combine merges the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
-``V_IS_K`` and ``SINGLE_LOOP`` (above). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
+``V_IS_K`` and ``SINGLE_LOOP`` (above), ``CHECK_CACHE`` (below). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
 the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
 launcher then asks for fp32.
+
+``CHECK_CACHE`` (with ``HAS_SEQUSED_K``; compiled with Triton's ``debug`` option and
+``sanitize_overflow`` off, so its assertion is the only one) folds the KV cache's value check
+(``checks.py``) into the launch that reads the cache: before it reads a key, each program checks
+the values it depends on, its sequence's length within 0..``cache_top`` and, paged, the
+block-table entries of the pages its key tiles cover within 0..``num_blocks - 1``, and asserts
+it with the check kernel's message (``tl.device_assert``). A program that finds a bad value reads
+no key even if the assertion returned (its tile ranges emptied). Without a left window every page
+in use is read by some program (the last query block's splits cover all key tiles), so the
+programs together check what the check kernel does; the launcher folds nothing else.
 """
 
 import triton
 import triton.language as tl
 
+from .checks import ASSERT_MESSAGE, sequence_reads_ok
 from .common import LN2, LOG2E, dropout_keep, online_rescale, scores_log2
 
 
@@ -157,7 +168,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
 
 
 @triton.jit(do_not_specialize=["seqlen_q_arg", "seqlen_k_arg", "max_rows", "min_seqlen_q", "num_splits",
-                               "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
+                               "cache_top", "num_blocks", "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
                                "drop_r0", "drop_c0", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
@@ -167,7 +178,7 @@ def _attn_fwd_kernel(
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_sb, stride_sh, stride_tb,
-    nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits,
+    nheads, seqlen_q_arg, seqlen_k_arg, max_rows, min_seqlen_q, num_splits, cache_top, num_blocks,
     scale_log2, softcap, window_left, window_right, diag_shift, drop_bh0, drop_bh_stride, drop_r0, drop_c0,
     dropout_seed, dropout_threshold, dropout_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -178,7 +189,8 @@ def _attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
-    V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False,
+    V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, CHECK_CACHE: tl.constexpr = False,
+    CHECK_BLOCK_P: tl.constexpr = 128,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -307,6 +319,19 @@ def _attn_fwd_kernel(
         full_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
         full_hi = tl.minimum(tl.maximum(full_hi, split_lo), split_hi)
         n_hi = tl.minimum(tl.maximum(n_hi, split_lo), split_hi)
+    if CHECK_CACHE:  # the cache's values this program reads by, before its first key (module docstring)
+        if IS_PAGED:  # the pages of keys n_lo * BLOCK_N .. its last, kept within the row's cache_top keys
+            k_end = tl.minimum(tl.minimum(n_hi * BLOCK_N, seqlen_k), cache_top)
+            p_lo = tl.minimum(n_lo * BLOCK_N, k_end) // PAGE_SIZE
+            ok = sequence_reads_ok(seqlen_k, cache_top, tbl, p_lo, tl.cdiv(k_end, PAGE_SIZE), num_blocks, True,
+                                   CHECK_BLOCK_P)
+        else:
+            ok = sequence_reads_ok(seqlen_k, cache_top, tbl, 0, 0, num_blocks, False, CHECK_BLOCK_P)
+        tl.device_assert(ok, ASSERT_MESSAGE)
+        n_lo = tl.where(ok, n_lo, 0)  # a bad value: no key tile (and no page id past the row's first)
+        full_lo = tl.where(ok, full_lo, 0)
+        full_hi = tl.where(ok, full_hi, 0)
+        n_hi = tl.where(ok, n_hi, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum

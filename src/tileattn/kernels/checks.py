@@ -22,6 +22,11 @@ grid of programs over its rows, one step each: in one program its dependent step
 the H200, 9 % of the decoding step it guards. Each program then asserts its own rows; for the
 flag the launcher sets it to true first and a program that finds a bad value clears it (every
 such write stores the same value, so the order does not matter).
+
+The rule's parts are jit helpers (``length_out_of_range``, ``leftpad_out_of_range``,
+``block_id_out_of_range``, and ``sequence_reads_ok`` for one sequence), written once: the forward
+kernel's ``CHECK_CACHE`` (``attn_fwd.py``) applies them to the values each of its programs is
+about to read, so an eager decoding call needs no launch of this kernel.
 """
 
 
@@ -31,6 +36,44 @@ import triton.language as tl
 # what a failed device assertion prints (CUDA reports only that an assertion failed)
 ASSERT_MESSAGE = tl.constexpr("tileattn: a KV cache's lengths, left pads or block-table entries are out of range "
                               "(rerun with TILEATTN_DEBUG_CHECKS=1 for the exact check)")
+
+
+@triton.jit
+def length_out_of_range(lens, top):
+    """Lengths (any shape) outside 0..``top``."""
+    return (lens < 0) | (lens > top)
+
+
+@triton.jit
+def leftpad_out_of_range(pads, lens):
+    """Left pads (any shape) outside 0..their sequence's length."""
+    return (pads < 0) | (pads > lens)
+
+
+@triton.jit
+def block_id_out_of_range(ids, num_blocks):
+    """Block-table entries (any shape) outside 0..``num_blocks - 1``."""
+    return (ids < 0) | (ids >= num_blocks)
+
+
+@triton.jit
+def sequence_reads_ok(length, top, row, p_lo, p_hi, num_blocks, PAGED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Whether one sequence passes the rule as far as a reader of its pages ``p_lo .. p_hi - 1``
+    depends on it: ``length`` within 0..``top`` and, with ``PAGED``, those entries of its
+    block-table row (``row``: the row's first entry, unit stride) within 0..``num_blocks - 1``,
+    ``BLOCK_P`` entries per step. The caller keeps ``p_hi`` within the row (pages of at most
+    ``top`` keys), so a bad length cannot send these loads past it."""
+    bad = length_out_of_range(length, top)
+    if PAGED:
+        offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P]
+        wrong = offs_p < 0  # [BLOCK_P] all false
+        for p0 in range(p_lo, p_hi, BLOCK_P):
+            cols = p0 + offs_p  # [BLOCK_P]
+            used = cols < p_hi
+            ids = tl.load(row + cols, mask=used, other=0)  # [BLOCK_P]
+            wrong = wrong | (block_id_out_of_range(ids, num_blocks) & used)
+        bad = bad | (tl.max(wrong.to(tl.int32), axis=0) > 0)
+    return bad == 0
 
 
 @triton.jit(do_not_specialize=["batch", "rows_per_program", "pages", "stride_s", "stride_l", "stride_tb", "stride_tp", "top",
@@ -48,10 +91,10 @@ def _cache_check_kernel(Seqlens, Leftpad, BlockTable, Ok, batch, rows_per_progra
         rows = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
         live = rows < batch
         lens = tl.load(Seqlens + rows * stride_s, mask=live, other=0)
-        bad = (lens < 0) | (lens > top)
+        bad = length_out_of_range(lens, top)
         if HAS_LEFTPAD:
             pad = tl.load(Leftpad + rows * stride_l, mask=live, other=0)
-            bad = bad | (pad < 0) | (pad > lens)
+            bad = bad | leftpad_out_of_range(pad, lens)
         n_bad += tl.sum((bad & live).to(tl.int32), axis=0)
         if PAGED:
             ends = lens + new_tokens  # [BLOCK_B] keys of each sequence after the append
@@ -60,7 +103,7 @@ def _cache_check_kernel(Seqlens, Leftpad, BlockTable, Ok, batch, rows_per_progra
                 cols = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
                 used = live[:, None] & (cols < pages)[None, :] & (cols[None, :] * block_size < ends[:, None])
                 ids = tl.load(row_ptrs + cols[None, :] * stride_tp, mask=used, other=0)  # [BLOCK_B, BLOCK_P]
-                wrong = ((ids < 0) | (ids >= num_blocks)) & used
+                wrong = block_id_out_of_range(ids, num_blocks) & used
                 n_bad += tl.sum(tl.sum(wrong.to(tl.int32), axis=1), axis=0)
     if ASSERT:
         tl.device_assert(n_bad == 0, ASSERT_MESSAGE)

@@ -473,6 +473,13 @@ def value_mode(t: torch.Tensor) -> str | None:
     return "host" if flag == "1" else None if flag == "0" else "device"
 
 
+def kernel_asserts(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel reading ``t`` keeps its device assertions: compiled for its CUDA
+    device (with the ``debug`` option), not run by Triton's interpreter on a CPU tensor, which drops
+    them (so a check there writes a flag instead)."""
+    return t.is_cuda
+
+
 def assert_on_device(ok: torch.Tensor, what: str) -> None:
     """One asynchronous assertion; the message shows where the check runs synchronously (CPU
     tensors), a CUDA device reports only that an assertion failed."""
@@ -550,7 +557,7 @@ def check_used_keys(seqused_k, cu_seqlens_k) -> None:
 def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None, block_size: int = 1,
                        num_blocks: int = 0, rotary_len: int | None = None, rotary_reach: int = 0,
                        table_name: str = "block_table", leftpad=None, lengths_name: str = "cache_seqlens",
-                       kept=None) -> None:
+                       kept=None, folded: bool = False) -> bool | None:
     """KV-cache lengths, left pads and block-table entries.
 
     After appending ``new_tokens``, every length must fit the capacity, and every block-table
@@ -560,6 +567,11 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
     positions, every rotated position (up to length + ``rotary_reach`` - 1) must have a row.
     ``kept``: a memo entry (``_memo``) of the caller's signature, whose ``device_check`` keeps
     the device check's launch (``gpu.checks.CacheCheck``) for its later calls.
+
+    ``folded``: the caller's next launch checks these values itself before it reads the cache
+    (``gpu.prepared.PreparedFwd.folds_cache_check``). Where the check would run on the device as a
+    kernel that asserts (``kernel_asserts``) nothing is launched then and True is returned: the
+    caller must launch its checking kernel. Otherwise (None) the check has run here, or needs none.
     """
     mode = value_mode(seqlens)
     if mode is None or seqlens.numel() == 0:
@@ -576,6 +588,8 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
                              f"0..{top_block}")
         return
     if mode == "device":
+        if folded and kernel_asserts(seqlens):
+            return True
         _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_size, num_blocks, rotary_len,
                                rotary_reach, table_name, leftpad, lengths_name, kept)
     if mode != "host":
@@ -627,7 +641,7 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
         if rotary_len is not None:
             top = min(top, rotary_len - rotary_reach)
         check = CacheCheck(seqlens, top, leftpad, block_table, new_tokens, block_size, num_blocks,
-                           asserting=seqlens.is_cuda)
+                           asserting=kernel_asserts(seqlens))
         if kept is not None:
             kept.device_check = check
     ok = check(seqlens, leftpad, block_table)

@@ -32,7 +32,9 @@ a bad option leaves the cache untouched. The checks that read no tensor values r
 call signature (``tileattn.ops._memo``); those that read values run on every call. A kept
 signature's later calls on the Triton backend launch what its first call prepared
 (``_custom.prepare``), and one with nothing to derive per call (no append, rotary, row index,
-left pad, ALiBi, sinks or descales) does only its value check and that launch.
+left pad, ALiBi, sinks or descales) does only its value check and that launch; on a GPU, where
+the check would be a kernel of its own, the launch's kernel does it (``PreparedFwd.folds_cache_check``:
+each program asserts the values it reads by before it reads a key).
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
@@ -91,11 +93,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and cache_leftpad is None and alibi_slopes is None and learnable_sink is None and k_descale is None
             and cache_seqlens is not None):
         # A kept signature with a lane and nothing to derive per call: its tensors' metadata passed
-        # the checks before, so the values' check and the launch are all that is left to do.
-        V.check_cache_values(cache_seqlens, 0, plan.capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                             kept=plan)
-        out, lse = plan.lane(V.last_dim_contiguous(q), k_cache, v_cache, None, None, cache_seqlens, block_table,
-                             None, None)
+        # the checks before, so the values' check and the launch are all that is left to do. A lane
+        # whose kernel checks the values itself (``folds_cache_check``) takes the device check's
+        # place: one launch fewer.
+        q = V.last_dim_contiguous(q)
+        if V.check_cache_values(cache_seqlens, 0, plan.capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                                kept=plan, folded=plan.fold):
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None,
+                                 check_cache=True)
+        else:
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None)
         return (out, lse) if return_softmax_lse else out
     if plan is None:
         plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
@@ -139,6 +146,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
                                     num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
                                     backend=plan.backend) or False
+                plan.fold = getattr(plan.lane, "folds_cache_check", False)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -156,6 +164,7 @@ class _Checked:
     backend: object  # the module backend_for(q.device) returns
     lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
     device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
+    fold: bool = False  # the lane's kernel can check the cache's values itself (``PreparedFwd.folds_cache_check``)
     pitch: int | None = None  # with cache_leftpad: the cache rows' token pitch (``check_leftpad``)
 
 
