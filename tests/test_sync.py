@@ -315,8 +315,10 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
 _FOLD_BAD = {  # (cache_seqlens, block table or None): each out of range in a value some program reads by
     "length past the capacity": ([5, 13], None),
     "negative length": ([-1, 3], None),
+    "largest length": ([5, 2**31 - 1], None),
     "block id past the pool": ([5, 12], [[3, 1, 0], [2, 5, 9]]),
     "negative block id": ([5, 12], [[-2, 1, 0], [2, 5, 8]]),
+    "largest paged length": ([5, 2**31 - 1], [[3, 1, 0], [2, 5, 8]]),
 }
 
 

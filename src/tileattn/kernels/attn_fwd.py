@@ -321,8 +321,9 @@ def _attn_fwd_kernel(
         n_hi = tl.minimum(tl.maximum(n_hi, split_lo), split_hi)
     if CHECK_CACHE:  # the cache's values this program reads by, before its first key (module docstring)
         if IS_PAGED:  # the pages of keys n_lo * BLOCK_N .. its last, kept within the row's cache_top keys
-            k_end = tl.minimum(tl.minimum(n_hi * BLOCK_N, seqlen_k), cache_top)
-            p_lo = tl.minimum(n_lo * BLOCK_N, k_end) // PAGE_SIZE
+            # (in 64 bits: a huge bad length's tile bounds times BLOCK_N must not wrap to a negative page)
+            k_end = tl.minimum(n_hi.to(tl.int64) * BLOCK_N, tl.minimum(tl.maximum(seqlen_k, 0), cache_top))
+            p_lo = tl.minimum(n_lo.to(tl.int64) * BLOCK_N, k_end) // PAGE_SIZE
             ok = sequence_reads_ok(seqlen_k, cache_top, tbl, p_lo, tl.cdiv(k_end, PAGE_SIZE), num_blocks, True,
                                    CHECK_BLOCK_P)
         else:
