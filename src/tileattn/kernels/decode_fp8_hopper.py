@@ -38,6 +38,20 @@ descale join the score scale; v's descale multiplies the output. Masks: keys pas
 the V rows of the sequence's last tile past ``seqlen_k`` are zeroed in shared memory before they are
 read (``_zero_rows_from``, as the forward's paged path: a page's unused slots may hold NaN, and NaN x 0
 is NaN; zeroed in registers instead, the byte selects cost ~170 instructions on every tile). A sequence with no keys gives out 0 and lse -inf.
+
+``OVERLAP`` (the launcher's ``FP8_DECODE_OVERLAP``): within a warpgroup, O^T's product of tile t - 1 runs
+on the tensor cores while S^T of tile t completes and its softmax runs. Per tile t: K_t's operand, then
+S^T_t and O^T_{t-1} issued asynchronously in that order (wgmma groups complete in order, so a wait
+with one group outstanding waits for S^T_t alone), V_t read into registers and both ring slots
+released (as without the flag: both operands live in registers, no product reads the ring), the
+wait for S^T_t, the softmax, P^T_t stored into the warpgroup's other P^T buffer, the wait for
+O^T_{t-1}, the barrier that publishes P^T_t, O^T rescaled by alpha_t and V_t converted into the fp16
+operand that the next tile's O^T product reads. The value carried across the loop is that fp16
+operand (32 registers): carrying V's fp8 registers instead makes the compiler unpack and repack
+their bytes at the loop edge (+132 PRMT, +60 LOP3 a tile). P^T's double buffer holds: buffer t % 2 is
+written after every warp waited for O^T_{t-2} (the wait precedes the barrier of tile t - 1). Every
+product sees the same operands and accumulator as without the flag (O^T rescaled by alpha_t before
+tile t's product is added), so the result is bitwise the same.
 """
 
 from triton.experimental import gluon
@@ -317,7 +331,8 @@ def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bar
         diag = seqlen_k - seqlen_q  # query i sees keys <= i + diag (CAUSAL)
         if OVERLAP:  # O^T of tile t - 1 runs on the tensor cores during S^T and the softmax of tile t
             if n_hi > n_lo:
-                # Tile n_lo alone: its scores and softmax; its O^T product is issued in the loop.
+                # Tile n_lo alone: its scores and softmax; its O^T product is issued in the loop (or
+                # after it, for an item of one tile).
                 k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
                 v8 = _fp8_v_regs(v_full, v_ring, c, n_lo, seqlen_k, WG, STAGES)
                 mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
@@ -329,6 +344,7 @@ def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bar
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's P^T rows stored before the product reads them
                 o = o * alpha[None, :]
+                v_op = _v_operand(v8, a_f16)  # [HEAD_DIM, KEYS] fp16 A operand of tile n_lo's O^T product
                 c += 1
                 for t in range(n_lo + 1, n_hi):
                     k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS),
@@ -336,7 +352,7 @@ def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bar
                     s_tok = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     # O^T += V^T P^T of tile t - 1 (o already rescaled by its alpha), after S^T: the
                     # groups complete in order, so waiting with one outstanding waits for S^T alone
-                    o_tok = warpgroup_mma(_v_operand(v8, a_f16), p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)),
+                    o_tok = warpgroup_mma(v_op, p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)),
                                           o, is_async=True)
                     v8 = _fp8_v_regs(v_full, v_ring, c, t, seqlen_k, WG, STAGES)
                     mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
@@ -351,8 +367,10 @@ def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bar
                     o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))  # [HEAD_DIM, N_Q]
                     gl.thread_barrier()  # every warp's P^T rows stored and tile t - 1's product done
                     o = o * alpha[None, :]
+                    v_op = _v_operand(v8, a_f16)  # tile t's, for the next tile's O^T product (its registers
+                    # are free: the product that read the previous operand has completed)
                     c += 1
-                o = warpgroup_mma(_v_operand(v8, a_f16), p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)), o)
+                o = warpgroup_mma(v_op, p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)), o)  # the last tile's
         else:  # each product waited for at once; the other warpgroup overlaps this one's chain
             for t in range(n_lo, n_hi):
                 key0 = t * BLOCK_N + WG * KEYS  # this warpgroup's first key of the tile
