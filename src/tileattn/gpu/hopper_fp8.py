@@ -19,6 +19,8 @@ so the workspace holds ``2 num_splits`` fp32 partials and ``combine.py``'s kerne
 the caller's count, or with 0 enough for ``ITEMS_PER_SM`` items per SM (the sequences' lengths, per
 call on the device, may differ: many short items balance), each split at least ``MIN_SPLIT_TILES``
 key tiles of 128.
+Each consumer warpgroup overlaps a tile's O^T product with the next tile's S^T product and softmax
+(``FP8_DECODE_OVERLAP``, the kernel's ``OVERLAP``: bitwise the same result).
 """
 
 from __future__ import annotations
