@@ -422,8 +422,9 @@ def fp8_decode(q, k, v, out, lse, params, block_table, seqused_k, num_splits, k_
 def hopper_fp8_cases():
     """The Gluon FP8 decode (#19): serving.py's fp8 row (paged 16, GQA 32/8, bf16 q), pages of 256 with
     GQA 8, a contiguous cache without GQA, speculative rows (causal, 2 rows x GQA 4) with fp16 q, and
-    serving.py's row again with 2,048 keys a sequence (2 splits of 8 tiles: the other cases' one tile
-    per split is folded into the kernel, and with it the loop that ``OVERLAP`` changes)."""
+    serving.py's row again with 2,048 keys a sequence: the others' splits hold one key tile each, an
+    integer argument of 1 that Triton specialises, so their kernels have no key-tile loop; this one's
+    two splits of 8 tiles compile the loop that real calls run."""
     g = torch.Generator().manual_seed(19)
     cases = []
     for name, page, sq, nheads, dtype, splits, pages in (
@@ -439,8 +440,7 @@ def hopper_fp8_cases():
         else:
             k, table = torch.randn(4, 512, 8, 128, generator=g).to(torch.float8_e4m3fn), None
         descale = torch.rand(4, 8)
-        lens = torch.tensor([0, 17, 100, 128], dtype=torch.int32) if pages == 8 else \
-            torch.tensor([0, 17, 1000, 2048], dtype=torch.int32)
+        lens = torch.tensor([0, 17, 100, 128] if pages == 8 else [0, 17, 1000, 2048], dtype=torch.int32)
         cases.append((f"hopper fp8 decode {name}", (q, k, k.clone(), torch.empty_like(q), torch.empty(4, nheads, sq),
                                                     AttnParams(128**-0.5, -1, 0), table, lens, splits,
                                                     descale, descale.clone()), {}))
