@@ -460,6 +460,13 @@ def hopper_fp8_cases():
     return cases
 
 
+def with_overlap_flipped(launches):
+    """Each recorded FP8 decode launch, then the same launch with the kernel's ``OVERLAP`` flipped: both
+    forms are compiled whichever the launcher's rule (``FP8_DECODE_OVERLAP``) picks."""
+    return [v for fn, args, kwargs in launches
+            for v in ((fn, args, kwargs), (fn, args, dict(kwargs, OVERLAP=not kwargs["OVERLAP"])))]
+
+
 def hopper_bwd_cases():
     """The Gluon backward through its launcher (dK/dV with dQ's reductions at head dim 128, else or when
     deterministic dK/dV then dQ): each head dim and 16-bit dtype, no mask, causal
@@ -574,8 +581,8 @@ def main() -> int:
         todo += [(name, *launch) for launch in record_hopper(hopper_launcher.hopper_attn_partials, attn_fwd_hopper,
                                                              "_attn_fwd_hopper_kernel", *tensors, **kwargs)]
     for name, tensors, kwargs in hopper_fp8_cases():
-        todo += [(name, *launch) for launch in record_hopper(fp8_decode, decode_fp8_hopper,
-                                                             "_decode_fp8_hopper_kernel", *tensors, **kwargs)]
+        todo += [(name, *launch) for launch in with_overlap_flipped(record_hopper(
+            fp8_decode, decode_fp8_hopper, "_decode_fp8_hopper_kernel", *tensors, **kwargs))]
     for name, tensors, kwargs in hopper_bwd_cases():
         launches = record_hopper(hopper_bwd_launcher.hopper_attn_bwd, attn_bwd_hopper, "_attn_bwd_hopper_kernel",
                                  *tensors, **kwargs)
@@ -597,7 +604,7 @@ def main() -> int:
     plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
-                or (k == "DYNAMIC" and v)}
+                or (k in ("DYNAMIC", "OVERLAP") and v)}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
             tile["BLOCK_C"] = args[2].block_shape[1]
         fp8 = fn is decode_fp8_hopper._decode_fp8_hopper_kernel

@@ -143,7 +143,7 @@ def test_launch_arguments(launches, page, paged, sq, nheads, splits):
     assert plan.num_splits == want_splits
     assert kernel is _decode_fp8_hopper_kernel and grid == (min(batch * 8 * want_splits, 132), 1, 1)
     assert constexprs == dict(GROUP=nheads // 8, HAS_SEQUSED=True, CAUSAL=sq > 1, PAGE=page if paged else 0,
-                              STAGES=hopper_fp8.FP8_DECODE_STAGES)
+                              STAGES=hopper_fp8.FP8_DECODE_STAGES, OVERLAP=hopper_fp8.FP8_DECODE_OVERLAP)
     block = [1, min(page, 128) if paged else 128, 1, D]
     for desc, base in zip(args[:2], (k, v)):
         assert desc.base is base and desc.block_shape == block and desc.shape == list(base.shape)
@@ -157,6 +157,20 @@ def test_launch_arguments(launches, page, paged, sq, nheads, splits):
                         *((table.stride(0), table.shape[1]) if paged else (0, 0)), batch, 8, sq, keys, want_splits,
                         -(-tiles // want_splits), pytest.approx(D**-0.5 * 1.4426950408889634))
     assert plan.combine_grid == (batch * sq * nheads, 1, 1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_launch_takes_the_overlap_switch(launches, monkeypatch, overlap):
+    """``FP8_DECODE_OVERLAP`` (read when a plan is made) is the kernel's ``OVERLAP``: the A/B's switch."""
+    monkeypatch.setattr(hopper_fp8, "FP8_DECODE_OVERLAP", overlap)
+    q, k, v, kw = _call()
+    used = torch.tensor([0, 100], dtype=torch.int32)
+    plan = hopper_fp8.Fp8DecodePlan(q, k, torch.empty_like(q), torch.empty(2, 32, 1), PARAMS,
+                                    block_table=kw["block_table"], seqused_k=used, max_seqlen_k=0, num_splits=0,
+                                    fallback=None)
+    plan.fwd(k, v, q, *plan.new_workspace("cpu"), kw["k_descale"], kw["v_descale"], used, kw["block_table"])
+    (_, constexprs, _, _), = launches
+    assert constexprs["OVERLAP"] is overlap
 
 
 def test_attn_fwd_and_plan_fwd_take_the_rule(monkeypatch):
@@ -222,9 +236,16 @@ def _dense_cache(cache, table, b, n, page):
 
 
 def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16, scale=D**-0.5):
+    pool = _pool(lens, page, nheads_k, gen, paged)
+    out, lse = _decode(q, lens, pool, splits, scale)
+    _compare(q, lens, page, pool, out, lse, dtype, scale)
+
+
+def _decode(q, lens, pool, splits, scale=D**-0.5):
+    """(out, lse) on the CPU of the Gluon FP8 decode of q over ``pool`` (``_pool``'s), a fresh plan."""
     from tileattn.gpu import attention as A
 
-    k_descale, v_descale, k_cache, v_cache, table = _pool(lens, page, nheads_k, gen, paged)
+    k_descale, v_descale, k_cache, v_cache, table = pool
     dev = "cuda"
     used = torch.tensor(lens, dtype=torch.int32)
     args = dict(alibi_slopes=None, varlen=False, block_table=None if table is None else table.to(dev),
@@ -237,7 +258,12 @@ def _check(q, lens, page, paged, splits, nheads_k, gen, dtype=torch.bfloat16, sc
         qd, kd, vd, cache_seqlens=used.to(dev), block_table=args["block_table"], causal=True, softmax_scale=scale,
         return_softmax_lse=True, num_splits=splits, k_descale=args["k_descale"], v_descale=args["v_descale"])
     assert len(A._FP8_PLANS) == 1, "the Gluon FP8 decode did not take the call"
-    out, lse = out.cpu(), lse.cpu()
+    return out.cpu(), lse.cpu()
+
+
+def _compare(q, lens, page, pool, out, lse, dtype, scale):
+    """out and lse against the float64 reference over the dequantised cache (tolerance rule)."""
+    k_descale, v_descale, k_cache, v_cache, table = pool
     for b, n in enumerate(lens):
         if n == 0:
             assert (out[b] == 0).all() and (lse[b] == float("-inf")).all(), "a sequence with no keys"
@@ -293,3 +319,41 @@ def test_fp8_decode_any_q_magnitude(q_size):
     q = (torch.randn(len(lens), 1, 8, D, generator=gen) * q_size).to(torch.bfloat16)
     q[0, 0, 0, :3] = torch.tensor([2 * q_size, -3 * q_size, 0.0])
     _check(q, lens, 16, True, 0, 2, gen, scale=D**-0.5 / q_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 256, 0])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("splits", [1, 0, 3])
+def test_fp8_decode_overlap_is_bitwise_the_same(monkeypatch, page, group, splits):
+    """``OVERLAP`` on and off give the same bits (out and lse): every product sees the same operands and
+    accumulator, only the waits move. Lengths as the reference test's (items of 1 to 8 tiles, so
+    the overlapped loop runs 0 to 7 times), NaN in every unused slot; then the flag's output against
+    the float64 reference."""
+    gen = torch.Generator().manual_seed(1930 + page + group + splits)
+    lens = LENS[page]
+    q = torch.randn(len(lens), 1, 2 * group, D, generator=gen).to(torch.bfloat16)
+    pool = _pool(lens, page or 64, 2, gen, page > 0)
+    got = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(hopper_fp8, "FP8_DECODE_OVERLAP", overlap)
+        got[overlap] = _decode(q, lens, pool, splits)  # a fresh plan: the flag is read when it is made
+    for off, on in zip(got[False], got[True]):
+        assert not on.isnan().any()
+        assert torch.equal(on, off), f"max |on - off| {(on.float() - off.float()).abs().max().item()}"
+    _compare(q, lens, page or 64, pool, *got[True], torch.bfloat16, D**-0.5)
+
+
+@pytest.mark.gpu
+def test_fp8_decode_overlap_speculative_rows_bitwise(monkeypatch):
+    """Two causal rows x GQA 4 over long sequences (up to 24 tiles in one split): on and off agree bitwise."""
+    gen = torch.Generator().manual_seed(1940)
+    lens = [3, 129, 1500, 3000]
+    q = torch.randn(len(lens), 2, 8, D, generator=gen).to(torch.float16)
+    pool = _pool(lens, 16, 2, gen, True)
+    got = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(hopper_fp8, "FP8_DECODE_OVERLAP", overlap)
+        got[overlap] = _decode(q, lens, pool, 1)
+    for off, on in zip(got[False], got[True]):
+        assert torch.equal(on, off), f"max |on - off| {(on.float() - off.float()).abs().max().item()}"

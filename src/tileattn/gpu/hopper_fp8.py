@@ -19,6 +19,8 @@ so the workspace holds ``2 num_splits`` fp32 partials and ``combine.py``'s kerne
 the caller's count, or with 0 enough for ``ITEMS_PER_SM`` items per SM (the sequences' lengths, per
 call on the device, may differ: many short items balance), each split at least ``MIN_SPLIT_TILES``
 key tiles of 128.
+Each consumer warpgroup overlaps a tile's O^T product with the next tile's S^T product and softmax
+(``FP8_DECODE_OVERLAP``, the kernel's ``OVERLAP``: bitwise the same result).
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ from ..kernels.common import LOG2E
 from ._launch import cdiv, contiguous_strides, partials_workspace
 from .hopper import GluonLaunch, _pointers_reason, _sms, _strides_reason, call_reason, device_reason, options_reason
 
-__all__ = ["hopper_fp8_decode_reason", "fp8_decode_splits", "Fp8DecodePlan", "FP8_DECODE_STAGES", "N_Q"]
+__all__ = ["hopper_fp8_decode_reason", "fp8_decode_splits", "Fp8DecodePlan", "FP8_DECODE_STAGES", "FP8_DECODE_OVERLAP",
+           "N_Q"]
 
 HEAD_DIM, N_Q, BLOCK_N = 128, 8, 128  # the kernel's head dim, query rows per item, keys per ring slot
 FP8_DECODE_STAGES = 4  # ring slots of 128 keys (K and V: 32 KB each slot): 128 KB in flight per SM
 ITEMS_PER_SM = 8
 MIN_SPLIT_TILES = 8  # 1,024 keys
 MAX_SPLITS = 64
+# Each consumer warpgroup overlaps tile t - 1's O^T = V^T P^T product with tile t's S^T = K Q^T and
+# softmax (the kernel's ``OVERLAP``; bitwise the same result). On for every call the kernel takes;
+# a module constant so that an A/B can switch it (docs/perf-notes.md, "The FP8 decode's S/O overlap").
+FP8_DECODE_OVERLAP = True
 _Q_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -121,7 +128,7 @@ class Fp8DecodePlan:
                    seqlen_q, max_keys, self.num_splits, tiles_per_split, params.softmax_scale * LOG2E.value)
         self.fwd = GluonLaunch(_decode_fp8_hopper_kernel, (min(items * self.num_splits, sms), 1, 1), dict(
             GROUP=nheads // nheads_k, HAS_SEQUSED=seqused_k is not None, CAUSAL=self.causal, PAGE=page,
-            STAGES=FP8_DECODE_STAGES), (kv_block, kv_block) + (None,) * 7, numbers)
+            STAGES=FP8_DECODE_STAGES, OVERLAP=FP8_DECODE_OVERLAP), (kv_block, kv_block) + (None,) * 7, numbers)
         self.combine, self.combine_grid, self.combine_ints = _combine_launch(
             self.workspace_shapes, False, out.stride()[:3], lse.stride(), HEAD_DIM, HEAD_DIM, out.dtype, lse.dtype,
             None, False)

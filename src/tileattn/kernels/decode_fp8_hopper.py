@@ -38,11 +38,26 @@ descale join the score scale; v's descale multiplies the output. Masks: keys pas
 the V rows of the sequence's last tile past ``seqlen_k`` are zeroed in shared memory before they are
 read (``_zero_rows_from``, as the forward's paged path: a page's unused slots may hold NaN, and NaN x 0
 is NaN; zeroed in registers instead, the byte selects cost ~170 instructions on every tile). A sequence with no keys gives out 0 and lse -inf.
+
+``OVERLAP`` (the launcher's ``FP8_DECODE_OVERLAP``): within a warpgroup, O^T's product of tile t - 1 runs
+on the tensor cores while S^T of tile t completes and its softmax runs. Per tile t: K_t's operand, then
+S^T_t and O^T_{t-1} issued asynchronously in that order (wgmma groups complete in order, so a wait
+with one group outstanding waits for S^T_t alone), V_t read into registers and both ring slots
+released (as without the flag: both operands live in registers, no product reads the ring), the
+wait for S^T_t, the softmax, P^T_t stored into the warpgroup's other P^T buffer, the wait for
+O^T_{t-1}, the barrier that publishes P^T_t, O^T rescaled by alpha_t and V_t converted into the fp16
+operand that the next tile's O^T product reads. The value carried across the loop is that fp16
+operand (32 registers): carrying V's fp8 registers instead makes the compiler unpack and repack
+their bytes at the loop edge (+132 PRMT, +60 LOP3 a tile). P^T's double buffer holds: buffer t % 2 is
+written after every warp waited for O^T_{t-2} (the wait precedes the barrier of tile t - 1). Every
+product sees the same operands and accumulator as without the flag (O^T rescaled by alpha_t before
+tile t's product is added), so the result is bitwise the same.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from .attn_fwd_hopper import _copy_kv, _finish_rows, _online_rescale, _wait_tile, _zero_rows_from
 
@@ -212,10 +227,67 @@ def _fp8_producer(k_desc, v_desc, k_ring, v_ring, bars, geom, BlockTable, stride
 
 
 @gluon.jit
+def _fp8_v_regs(v_full, v_ring, c, t, seqlen_k, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for the ring's ``c``-th V copy (key tile ``t``), zero its rows past ``seqlen_k`` on the
+    sequence's last tile, and read this warpgroup's 64 keys of it into registers (fp8, ``V_LOAD``)."""
+    v_tile = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM)
+    if (t + 1) * BLOCK_N > seqlen_k:  # the sequence's last tile: its rows past the keys hold anything (NaN)
+        _zero_rows_from(v_tile, seqlen_k - t * BLOCK_N, BLOCK_N, HEAD_DIM)  # both warpgroups: same values
+        gl.thread_barrier()  # every warp's rows zeroed before any reads them
+    return v_tile.slice(WG * KEYS, KEYS).load(V_LOAD)
+
+
+@gluon.jit
+def _fp8_softmax(s, m_i, l_acc, key0, seqlen_k, diag, n_s, s_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                 key_s: gl.constexpr):
+    """One tile's masks and online softmax on S^T [KEYS, N_Q] (log2 units after ``s_scale``): returns
+    (P^T [KEYS, N_Q] fp32, m_i, l_acc rescaled and summed, alpha, the factor O^T is rescaled by)."""
+    if CAUSAL:
+        masked = key0 + KEYS > diag + 1
+    else:
+        masked = key0 + KEYS > seqlen_k
+    if masked:
+        k_pos = key0 + gl.arange(0, KEYS, layout=key_s)  # [KEYS]
+        s = gl.where((k_pos < seqlen_k)[:, None], s, float("-inf"))
+        if CAUSAL:  # query row n sees keys <= n // GROUP + diag
+            s = gl.where(k_pos[:, None] <= (n_s // GROUP)[None, :] + diag, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0) * s_scale)  # [N_Q]: across the warpgroup's keys
+    m_use, alpha = _online_rescale(m_i, m_new, True)
+    p = gl.exp2(s * s_scale - m_use[None, :])  # [KEYS, N_Q]
+    l_acc = l_acc * alpha[None, :] + p
+    return p, m_new, l_acc, alpha
+
+
+@gluon.jit
 def _fp8_consumer(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart, KDescale,
                   VDescale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_osplit,
                   stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer partition without ``OVERLAP`` (each product waited for at once)."""
+    _fp8_consumer_body(WG, k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart, KDescale, VDescale,
+                       stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb,
+                       stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, HAS_SEQUSED, CAUSAL, STAGES, False)
+
+
+@gluon.jit
+def _fp8_consumer_overlap(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart,
+                          KDescale, VDescale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                          stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2,
+                          GROUP: gl.constexpr, HAS_SEQUSED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer partition with ``OVERLAP``. (The flag is a literal here, not one of the partition's
+    arguments: a partition's arguments reach it as values captured by ``warp_specialize``, and one more
+    capture would move main's barriers in shared memory.)"""
+    _fp8_consumer_body(WG, k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart, KDescale, VDescale,
+                       stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb,
+                       stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP, HAS_SEQUSED, CAUSAL, STAGES, True)
+
+
+@gluon.jit
+def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart,
+                       KDescale, VDescale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                       stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, GROUP: gl.constexpr,
+                       HAS_SEQUSED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                       OVERLAP: gl.constexpr):
     """One warpgroup: for each work item, the recurrence of its N_Q packed query rows (row n: query
     n // GROUP of head hk GROUP + n % GROUP) over keys [64 WG, 64 WG + 64) of each of the item's
     tiles, written as partial state ``2 split + WG``."""
@@ -256,37 +328,80 @@ def _fp8_consumer(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, ge
         l_acc = gl.zeros([KEYS, N_Q], gl.float32, layout=acc_layout)  # running sums per key slot
         o = gl.zeros([HEAD_DIM, N_Q], gl.float32, layout=acc_layout)  # O^T, rows at relabelled d
         diag = seqlen_k - seqlen_q  # query i sees keys <= i + diag (CAUSAL)
-        for t in range(n_lo, n_hi):
-            key0 = t * BLOCK_N + WG * KEYS  # this warpgroup's first key of the tile
-            k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
-            v_tile = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM)
-            if (t + 1) * BLOCK_N > seqlen_k:  # the sequence's last tile: its rows past the keys hold anything (NaN)
-                _zero_rows_from(v_tile, seqlen_k - t * BLOCK_N, BLOCK_N, HEAD_DIM)  # both warpgroups: same values
-                gl.thread_barrier()  # every warp's rows zeroed before any reads them
-            v8 = v_tile.slice(WG * KEYS, KEYS).load(V_LOAD)
-            mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
-            mbarrier.arrive(v_empty.index(c % STAGES), count=1)
-            s = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False)  # [KEYS, N_Q] S^T
-            if CAUSAL:
-                masked = key0 + KEYS > diag + 1
-            else:
-                masked = key0 + KEYS > seqlen_k
-            if masked:
-                k_pos = key0 + gl.arange(0, KEYS, layout=key_s)  # [KEYS]
-                s = gl.where((k_pos < seqlen_k)[:, None], s, float("-inf"))
-                if CAUSAL:  # query row n sees keys <= n // GROUP + diag
-                    s = gl.where(k_pos[:, None] <= (n_s // GROUP)[None, :] + diag, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0) * s_scale)  # [N_Q]: across the warpgroup's keys
-            m_use, alpha = _online_rescale(m_i, m_new, True)
-            p = gl.exp2(s * s_scale - m_use[None, :])  # [KEYS, N_Q]
-            l_acc = l_acc * alpha[None, :] + p
-            m_i = m_new
-            p_buf = p_stages.index(2 * WG + c % 2)  # [N_Q, KEYS] P^T, last read by the product two tiles ago
-            p_buf.store(p.to(gl.float16).permute((1, 0)))  # [N_Q, KEYS]
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's P^T rows stored before the product reads them
-            o = warpgroup_mma(_v_operand(v8, a_f16), p_buf.permute((1, 0)), o * alpha[None, :])  # [HEAD_DIM, N_Q]
-            c += 1
+        if OVERLAP:  # O^T of tile t - 1 runs on the tensor cores during S^T and the softmax of tile t
+            if n_hi > n_lo:
+                # Tile n_lo alone: its scores and softmax; its O^T product is issued in the loop (or
+                # after it, for an item of one tile).
+                k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
+                v8 = _fp8_v_regs(v_full, v_ring, c, n_lo, seqlen_k, WG, STAGES)
+                mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
+                mbarrier.arrive(v_empty.index(c % STAGES), count=1)
+                s = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False)  # [KEYS, N_Q] S^T
+                p, m_i, l_acc, alpha = _fp8_softmax(s, m_i, l_acc, n_lo * BLOCK_N + WG * KEYS, seqlen_k, diag, n_s,
+                                                    s_scale, GROUP, CAUSAL, key_s)
+                p_stages.index(2 * WG + c % 2).store(p.to(gl.float16).permute((1, 0)))  # [N_Q, KEYS] P^T
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's P^T rows stored before the product reads them
+                o = o * alpha[None, :]
+                v_op = _v_operand(v8, a_f16)  # [HEAD_DIM, KEYS] fp16 A operand of tile n_lo's O^T product
+                c += 1
+                for t in range(n_lo + 1, n_hi):
+                    k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS),
+                                      a_f16)
+                    s_tok = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    # O^T += V^T P^T of tile t - 1 (o already rescaled by its alpha), after S^T: the
+                    # groups complete in order, so waiting with one outstanding waits for S^T alone
+                    o_tok = warpgroup_mma(v_op, p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)),
+                                          o, is_async=True)
+                    v8 = _fp8_v_regs(v_full, v_ring, c, t, seqlen_k, WG, STAGES)
+                    mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
+                    mbarrier.arrive(v_empty.index(c % STAGES), count=1)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S^T of tile t, O^T still running
+                    p, m_i, l_acc, alpha = _fp8_softmax(s, m_i, l_acc, t * BLOCK_N + WG * KEYS, seqlen_k, diag, n_s,
+                                                        s_scale, GROUP, CAUSAL, key_s)
+                    # P^T's other buffer: last read by tile t - 2's product, which every warp waited for
+                    # before the previous tile's barrier
+                    p_stages.index(2 * WG + c % 2).store(p.to(gl.float16).permute((1, 0)))  # [N_Q, KEYS]
+                    fence_async_shared()
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))  # [HEAD_DIM, N_Q]
+                    gl.thread_barrier()  # every warp's P^T rows stored and tile t - 1's product done
+                    o = o * alpha[None, :]
+                    v_op = _v_operand(v8, a_f16)  # tile t's, for the next tile's O^T product (its registers
+                    # are free: the product that read the previous operand has completed)
+                    c += 1
+                o = warpgroup_mma(v_op, p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)), o)  # the last tile's
+        else:  # each product waited for at once; the other warpgroup overlaps this one's chain
+            for t in range(n_lo, n_hi):
+                key0 = t * BLOCK_N + WG * KEYS  # this warpgroup's first key of the tile
+                k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
+                v_tile = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM)
+                if (t + 1) * BLOCK_N > seqlen_k:  # the sequence's last tile: its rows past the keys hold anything (NaN)
+                    _zero_rows_from(v_tile, seqlen_k - t * BLOCK_N, BLOCK_N, HEAD_DIM)  # both warpgroups: same values
+                    gl.thread_barrier()  # every warp's rows zeroed before any reads them
+                v8 = v_tile.slice(WG * KEYS, KEYS).load(V_LOAD)
+                mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
+                mbarrier.arrive(v_empty.index(c % STAGES), count=1)
+                s = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False)  # [KEYS, N_Q] S^T
+                if CAUSAL:
+                    masked = key0 + KEYS > diag + 1
+                else:
+                    masked = key0 + KEYS > seqlen_k
+                if masked:
+                    k_pos = key0 + gl.arange(0, KEYS, layout=key_s)  # [KEYS]
+                    s = gl.where((k_pos < seqlen_k)[:, None], s, float("-inf"))
+                    if CAUSAL:  # query row n sees keys <= n // GROUP + diag
+                        s = gl.where(k_pos[:, None] <= (n_s // GROUP)[None, :] + diag, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0) * s_scale)  # [N_Q]: across the warpgroup's keys
+                m_use, alpha = _online_rescale(m_i, m_new, True)
+                p = gl.exp2(s * s_scale - m_use[None, :])  # [KEYS, N_Q]
+                l_acc = l_acc * alpha[None, :] + p
+                m_i = m_new
+                p_buf = p_stages.index(2 * WG + c % 2)  # [N_Q, KEYS] P^T, last read by the product two tiles ago
+                p_buf.store(p.to(gl.float16).permute((1, 0)))  # [N_Q, KEYS]
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's P^T rows stored before the product reads them
+                o = warpgroup_mma(_v_operand(v8, a_f16), p_buf.permute((1, 0)), o * alpha[None, :])  # [HEAD_DIM, N_Q]
+                c += 1
 
         l_i = gl.sum(l_acc, 0)  # [N_Q]
         l_safe, lse = _finish_rows(m_i, l_i)  # [N_Q]: rows that saw no key get out 0, lse -inf
@@ -307,7 +422,7 @@ def _decode_fp8_hopper_kernel(
     stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
     stride_lsplit, stride_tb, table_len, batch, nheads_k, seqlen_q, seqlen_k, num_splits, tiles_per_split, scale_log2,
     GROUP: gl.constexpr, HAS_SEQUSED: gl.constexpr, CAUSAL: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (split ``s`` of KV head ``hk`` of
     sequence ``b``, item ``(b nheads_k + hk) num_splits + s``): a persistent grid of one program per
@@ -338,9 +453,17 @@ def _decode_fp8_hopper_kernel(
     consumer_args = (k_ring, v_ring, q_stages, p_stages, bars, geom, Q, OPart, LsePart, KDescale, VDescale, stride_qb,
                      stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh,
                      stride_ls, stride_lsplit, scale_log2, GROUP, HAS_SEQUSED, CAUSAL, STAGES)
-    gl.warp_specialize([
-        (_fp8_consumer, (0,) + consumer_args),
-        (_fp8_consumer, (1,) + consumer_args),
-        (_fp8_producer, (k_desc, v_desc, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, HAS_SEQUSED,
-                         PAGE, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if OVERLAP:
+        gl.warp_specialize([
+            (_fp8_consumer_overlap, (0,) + consumer_args),
+            (_fp8_consumer_overlap, (1,) + consumer_args),
+            (_fp8_producer, (k_desc, v_desc, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, HAS_SEQUSED,
+                             PAGE, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fp8_consumer, (0,) + consumer_args),
+            (_fp8_consumer, (1,) + consumer_args),
+            (_fp8_producer, (k_desc, v_desc, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, HAS_SEQUSED,
+                             PAGE, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
