@@ -129,7 +129,7 @@ def sass_counts(compiled) -> tuple[dict, int]:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
                                                                 sass))
     return {k: ops[k] for k in SASS_OPS}, sum(ops.values())
 
@@ -421,24 +421,28 @@ def fp8_decode(q, k, v, out, lse, params, block_table, seqused_k, num_splits, k_
 
 def hopper_fp8_cases():
     """The Gluon FP8 decode (#19): serving.py's fp8 row (paged 16, GQA 32/8, bf16 q), pages of 256 with
-    GQA 8, a contiguous cache without GQA, speculative rows (causal, 2 rows x GQA 4) with fp16 q."""
+    GQA 8, a contiguous cache without GQA, speculative rows (causal, 2 rows x GQA 4) with fp16 q, and
+    serving.py's row again with 2,048 keys a sequence: the others' splits hold one key tile each, an
+    integer argument of 1 that Triton specialises, so their kernels have no key-tile loop; this one's
+    two splits of 8 tiles compile the loop that real calls run."""
     g = torch.Generator().manual_seed(19)
     cases = []
-    for name, page, sq, nheads, dtype, splits in (("paged 16 GQA 4", 16, 1, 32, torch.bfloat16, 0),
-                                                 ("paged 256 GQA 8", 256, 1, 64, torch.bfloat16, 3),
-                                                 ("contiguous GQA 1", 0, 1, 8, torch.bfloat16, 1),
-                                                 ("paged 16 speculative 2 rows causal GQA 4 fp16", 16, 2, 32,
-                                                  torch.float16, 0)):
+    for name, page, sq, nheads, dtype, splits, pages in (
+            ("paged 16 GQA 4", 16, 1, 32, torch.bfloat16, 0, 8),
+            ("paged 256 GQA 8", 256, 1, 64, torch.bfloat16, 3, 8),
+            ("contiguous GQA 1", 0, 1, 8, torch.bfloat16, 1, 8),
+            ("paged 16 speculative 2 rows causal GQA 4 fp16", 16, 2, 32, torch.float16, 0, 8),
+            ("paged 16 GQA 4 2k keys", 16, 1, 32, torch.bfloat16, 0, 128)):
         q = torch.randn(4, sq, nheads, 128, generator=g).to(dtype)
         if page:
-            k = torch.randn(64, page, 8, 128, generator=g).to(torch.float8_e4m3fn)
-            table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
+            k = torch.randn(8 * pages, page, 8, 128, generator=g).to(torch.float8_e4m3fn)
+            table = torch.randperm(8 * pages, generator=g)[:4 * pages].view(4, pages).to(torch.int32)
         else:
             k, table = torch.randn(4, 512, 8, 128, generator=g).to(torch.float8_e4m3fn), None
         descale = torch.rand(4, 8)
+        lens = torch.tensor([0, 17, 100, 128] if pages == 8 else [0, 17, 1000, 2048], dtype=torch.int32)
         cases.append((f"hopper fp8 decode {name}", (q, k, k.clone(), torch.empty_like(q), torch.empty(4, nheads, sq),
-                                                    AttnParams(128**-0.5, -1, 0), table,
-                                                    torch.tensor([0, 17, 100, 128], dtype=torch.int32), splits,
+                                                    AttnParams(128**-0.5, -1, 0), table, lens, splits,
                                                     descale, descale.clone()), {}))
     return cases
 

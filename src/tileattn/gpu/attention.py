@@ -294,14 +294,10 @@ def _fp8_plan(key, q, k, v, out, lse, params: AttnParams, alibi_slopes, cu_seqle
                                 block_table=block_table, learnable_sink=learnable_sink, k_descale=k_descale,
                                 v_descale=v_descale) is not None:
         return None
-    fp8_key = (key, k.shape, k.stride(), v.stride(), params.softmax_scale)
-    plan = _FP8_PLANS.get(fp8_key)
-    if plan is None:
-        plan = _FP8_PLANS[fp8_key] = Fp8DecodePlan(
-            q, k, out, lse, params, block_table=block_table, seqused_k=seqused_k,
-            max_seqlen_k=_bound(max_seqlen_k) if block_table is not None else 0, num_splits=num_splits,
-            fallback=lambda: plan_for(_PLANS, key, FwdPlan))
-    return plan
+    return plan_for(_FP8_PLANS, (key, k.shape, k.stride(), v.stride(), params.softmax_scale), lambda _: Fp8DecodePlan(
+        q, k, out, lse, params, block_table=block_table, seqused_k=seqused_k,
+        max_seqlen_k=_bound(max_seqlen_k) if block_table is not None else 0, num_splits=num_splits,
+        fallback=lambda: plan_for(_PLANS, key, FwdPlan)))
 
 
 def plan_partials(q, k, v, *, params: AttnParams, max_seqlen_q: int, max_seqlen_k: int, seqused_k, block_table,

@@ -15,10 +15,11 @@ causal calls on a persistent grid take their items dynamically from a per-call c
 ``_causal_grid``, ``_item_counter``), which also brings groups of ``DYNAMIC_MIN_GROUP`` pairs onto it.
 Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
 -> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
-2 x 2 x 32 KB = 192 KB; at ``DOUBLE_Q_HEAD_DIMS`` (64) two more Q tiles, 16 KB (``Q_BUFS``). The output goes through shared memory and one asynchronous TMA copy per
-warpgroup (``TMA_STORE``, ``_out_block``) for dense calls (not packed: a tile past a sequence's end
-would overwrite the next one's rows; TMA clips only at the tensor's bounds) whose ``out`` has q's
-dtype and TMA-writable strides, at head dims ``TMA_STORE_HEAD_DIMS``; the others store from
+2 x 2 x 32 KB = 192 KB; at ``DOUBLE_Q_HEAD_DIMS`` (64) two more Q tiles, 16 KB (``Q_BUFS``). The
+output goes through shared memory and one asynchronous TMA copy per warpgroup (``TMA_STORE``,
+``_out_block``) for dense calls (not packed: a tile past a sequence's end would overwrite the next
+one's rows; TMA clips only at the tensor's bounds) whose ``out`` has q's dtype and TMA-writable
+strides, at head dims ``TMA_STORE_HEAD_DIMS``; the others store from
 registers, as packed calls, split partials and an fp32 ``out`` do, and so does a later call of a
 kept launch whose ``out`` is not 16-byte aligned (``HopperFwd``). Two staging tiles of 64 rows add
 2 x 8 KB at hdim 64 (128 KB in all), 2 x 16 KB at 128 (192 KB) and would add 2 x 32 KB at 256 (256

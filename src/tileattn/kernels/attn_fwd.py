@@ -55,7 +55,7 @@ launcher then asks for fp32.
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, dropout_keep, online_rescale, scores_log2
+from .common import LOG2E, dropout_keep, finish_rows, online_rescale, scores_log2
 
 
 @triton.jit
@@ -340,13 +340,11 @@ def _attn_fwd_kernel(
             V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_DTYPE, DOT_PRECISION)
 
-    empty = l_i == 0.0  # [BLOCK_M] rows that saw no key
-    l_safe = tl.where(empty, 1.0, l_i)
+    l_safe, lse = finish_rows(m_i, l_i)  # [BLOCK_M]: rows that saw no key get out 0, lse -inf
     if IS_FP8:
         b_o = acc * (v_scale / l_safe)[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
     else:
         b_o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_V_PAD]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
 
     split = tl.program_id(1).to(tl.int64)
     o_rows = split * stride_o_split + b64 * stride_ob + tok * stride_os + head.to(tl.int64) * stride_oh

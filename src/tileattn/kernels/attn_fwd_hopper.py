@@ -66,10 +66,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LN2, LOG2E, online_rescale, visible_mask
+from .common import LOG2E, finish_rows, online_rescale, visible_mask
 
 # The shared jit helpers of common.py, compiled for Gluon (the same source serves both).
 _online_rescale = gluon.jit(online_rescale.fn)
+_finish_rows = gluon.jit(finish_rows.fn)
 _visible_mask = gluon.jit(visible_mask.fn)
 
 
@@ -411,9 +412,7 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bar
         c += n_hi - n_lo
         j += 1
 
-        empty = l_i == 0.0  # [ROWS_WG] rows that saw no key (and no sink): out 0, lse -inf
-        l_safe = gl.where(empty, 1.0, l_i)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [ROWS_WG] natural log
+        l_safe, lse = _finish_rows(m_i, l_i)  # [ROWS_WG]: rows that saw no key (and no sink) get out 0, lse -inf
         o = o / gl.convert_layout(l_safe, row_o)[:, None]
         if TMA_STORE:  # dense rows: q_start is 0, b_desc is b; rows past seqlen_q are clipped by the copy
             tma.store_wait(0)  # the previous item's copy has read the staging tile

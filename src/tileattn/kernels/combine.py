@@ -15,7 +15,7 @@ launch that did not split wrote its output directly (a mixed batch's long sequen
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, online_rescale
+from .common import LOG2E, finish_rows, online_rescale
 
 UNSPLIT_MARK = tl.constexpr(0x7FC0DEAD)  # a NaN's bits that no split writes (they write finite or -inf)
 
@@ -71,10 +71,8 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
         m = m_new
 
-    empty = l_sum == 0.0  # [1]
-    l_safe = tl.where(empty, 1.0, l_sum)
+    l_safe, lse = finish_rows(m, l_sum)  # [1]: every split empty gives out 0, lse -inf
     out = acc / l_safe  # [HEAD_DIM_PAD]
-    lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)  # [1]
     o_dst = Out + b * stride_ob + pos * stride_os + head * stride_oh + offs_d
     tl.store(o_dst, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
     tl.store(Lse + b * stride_lb + head * stride_lh + pos * stride_ls + tl.arange(0, 1), lse)

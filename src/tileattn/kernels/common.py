@@ -35,6 +35,17 @@ def online_rescale(m_old, m_new, GUARD: tl.constexpr):
 
 
 @triton.jit
+def finish_rows(m, l):
+    """The end of the online softmax for rows of running maximum ``m`` (log2 units) and sum ``l``:
+    ``(l_safe, lse)``, the divisor of the rows' outputs and their log-sum-exp in natural log. A row
+    that saw no key (``l`` 0: every score masked, no sink) gets divisor 1, so its output stays 0, and
+    lse -inf."""
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    return l_safe, tl.where(empty, float("-inf"), (m + tl.math.log2(l_safe)) * LN2)
+
+
+@triton.jit
 def tanh(x):
     """tanh through the sigmoid, exact enough for fp32 and supported by the interpreter."""
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0

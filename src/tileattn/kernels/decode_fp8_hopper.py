@@ -44,8 +44,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from .attn_fwd_hopper import _copy_kv, _online_rescale, _wait_tile, _zero_rows_from
-from .common import LN2
+from .attn_fwd_hopper import _copy_kv, _finish_rows, _online_rescale, _wait_tile, _zero_rows_from
 
 KEYS: gl.constexpr = gl.constexpr(64)  # keys per consumer warpgroup per ring slot (wgmma's M)
 HEAD_DIM: gl.constexpr = gl.constexpr(128)  # the one head dim the operand layouts below are written for
@@ -290,9 +289,7 @@ def _fp8_consumer(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bars, ge
             c += 1
 
         l_i = gl.sum(l_acc, 0)  # [N_Q]
-        empty = l_i == 0.0  # rows that saw no key: out 0, lse -inf
-        l_safe = gl.where(empty, 1.0, l_i)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)  # [N_Q] natural log
+        l_safe, lse = _finish_rows(m_i, l_i)  # [N_Q]: rows that saw no key get out 0, lse -inf
         o = o * (v_scale / l_safe)[None, :]
         part = (2 * split + WG).to(gl.int64)
         row_ok = n_s // GROUP < seqlen_q
