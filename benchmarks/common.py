@@ -232,22 +232,27 @@ def _read_kernel():
     import triton.language as tl
 
     @triton.jit
-    def read_all(X, Sink, n, BLOCK: tl.constexpr):
-        """Each program folds its strided share of ``X`` (int32 words) into one xor: every byte read once."""
+    def read_all(X, Sink, n, BLOCK: tl.constexpr, EVICT: tl.constexpr = ""):
+        """Each program folds its strided share of ``X`` (int32 words) into one xor: every byte read once.
+        ``EVICT="evict_first"``: the loads carry an L2 evict-first policy (createpolicy + ld...L2::cache_hint
+        on sm_90; the loop is not software-pipelined, so Triton keeps the hint)."""
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            acc ^= tl.load(X + offs, mask=offs < n, other=0)
+            acc ^= tl.load(X + offs, mask=offs < n, other=0, eviction_policy=EVICT)
         tl.store(Sink + pid, tl.xor_sum(acc, 0))
 
     return read_all
 
 
-def read_floor(nbytes: int, device: str, l2: str = "zero") -> float | None:
+def read_floor(nbytes: int, device: str, l2: str = "zero", evict: str = "") -> float | None:
     """Median ms of the fastest plain streaming read of ``nbytes`` (one kernel, replayed from a CUDA
     graph, timed as ``bench(..., l2=l2)``): the least time a kernel that must read that many bytes
-    takes here, launch included. The best of a few grid and block sizes; None off the GPU."""
+    takes here, launch included. The best of a few grid and block sizes; None off the GPU.
+    ``evict="evict_first"``: the same read with an L2 evict-first hint on every load, so that the
+    streamed lines replace each other rather than the lines the L2 already holds (after do_bench's
+    flush: dirty zeros, whose write-back the plain read pays)."""
     import torch
 
     if not device.startswith("cuda"):
@@ -261,7 +266,7 @@ def read_floor(nbytes: int, device: str, l2: str = "zero") -> float | None:
             sink = torch.empty(sms * per_sm, dtype=torch.int32, device=device)
 
             def run(sink=sink, block=block):
-                kernel[(sink.numel(),)](words, sink, words.numel(), BLOCK=block, num_warps=8)
+                kernel[(sink.numel(),)](words, sink, words.numel(), BLOCK=block, EVICT=evict, num_warps=8)
                 return sink
 
             replay, _ = cuda_graph(run)

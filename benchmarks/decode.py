@@ -9,7 +9,9 @@ SDPA flash and cuDNN on transposed views of the same contiguous cache, with
 ``enable_gqa=True`` (or K/V repeated per query head beforehand if a backend refuses it: the
 note column says so). Every output is compared with an fp32 reference (``err``). Last, the
 ``read floor``: the same number of bytes read by the fastest plain streaming kernel
-(``common.read_floor``, graph-replayed), the least time any decoding kernel could take here.
+(``common.read_floor``, graph-replayed), the least time any decoding kernel could take here; and
+``read floor·evict_first``, the same read with an L2 evict-first hint on its loads (how much of
+do_bench's dirty-L2 write-back a hinted decoding kernel could avoid).
 
 MLA (issue #18): DeepSeek's absorbed decoding, 128 query heads over one latent of 576 per token
 whose first 512 are the values (``v_cache = k_cache[..., :512]``, one storage), bf16, paged in
@@ -36,7 +38,7 @@ import common
 NHEADS, NHEADS_K, HDIM = 32, 8, 128
 BLOCK_SIZES = (16, 256)
 IMPLS = ("tileattn", "tileattn·graph", "paged16", "paged16·graph", "paged256", "paged256·graph",
-         "sdpa flash", "sdpa cudnn", "read floor")
+         "sdpa flash", "sdpa cudnn", "read floor", "read floor·evict_first")
 
 
 MLA_NHEADS, MLA_DIM, MLA_DIM_V, MLA_PAGE = 128, 576, 512, 64
@@ -275,6 +277,14 @@ def run_case(case: dict, args, dtype) -> list[dict]:
         bw = common.gbs(case["kv_bytes"], floor)
         rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl="read floor", l2=args.l2,
                          us=floor * 1e3, gbs=bw, pct_hbm=100 * bw / common.HBM_PEAK_GBS, err=None, note=err))
+    # the same read with L2 evict-first loads: what a decoding kernel whose K/V loads carry the hint
+    # could reach after do_bench's flush (docs/perf-notes.md, "Batch-1 decoding toward the read floor")
+    floor, err = common.attempt(lambda: common.read_floor(case["kv_bytes"], dev, args.l2, evict="evict_first"))
+    if floor is not None:
+        bw = common.gbs(case["kv_bytes"], floor)
+        rows.append(dict(batch=b, kv_len=n, kv_mb=case["kv_bytes"] / 2**20, impl="read floor·evict_first",
+                         l2=args.l2, us=floor * 1e3, gbs=bw, pct_hbm=100 * bw / common.HBM_PEAK_GBS, err=None,
+                         note=err))
     for backend in ("flash", "cudnn"):
         made, err = common.attempt(lambda: sdpa_fn(backend, q, k_cache, v_cache))
         fn, note = made if made is not None else (None, err)

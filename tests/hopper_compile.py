@@ -632,8 +632,40 @@ def main() -> int:
             plain_stack[name, str(tile)] = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
         failures += not verdict.startswith("ok")
         print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)
+    failures += check_read_floor_hint()
     print(f"{len(todo)} variants compiled for sm_90, {failures} failed")
     return 1 if failures else 0
+
+
+def check_read_floor_hint() -> int:
+    """benchmarks/common.py's read floor with and without ``EVICT="evict_first"``: the hinted variant's
+    every load carries the L2 policy (createpolicy + ld.global...L2::cache_hint), the plain one none.
+    (Triton 3.6 keeps the hint only on loads it does not software-pipeline; Gluon's cp.async drops it
+    and Gluon's TMA copy has no such argument: docs/perf-notes.md, "Batch-1 decoding toward the read
+    floor".) Returns the number of failures."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import common as bench_common
+
+    kernel, failures = bench_common._read_kernel(), 0
+    for evict in ("", "evict_first"):
+        try:
+            compiled = triton.compile(ASTSource(fn=kernel, signature={"X": "*i32", "Sink": "*i32", "n": "i32",
+                                                                      "BLOCK": "constexpr", "EVICT": "constexpr"},
+                                                constexprs={"BLOCK": 4096, "EVICT": evict},
+                                                attrs={(0,): [["tt.divisibility", 16]],
+                                                       (1,): [["tt.divisibility", 16]]}),
+                                      target=HOPPER, options={"num_warps": 8})
+            ptx = compiled.asm["ptx"]
+            loads = len(re.findall(r"ld\.global", ptx))
+            hinted = len(re.findall(r"ld\.global[^\n]*L2::cache_hint", ptx))
+            ok = loads > 0 and hinted == (loads if evict else 0)
+            verdict = "ok" if ok else f"FAIL {hinted} of {loads} loads hinted"
+            usage = f"{registers(compiled)} loads={loads} hinted={hinted}"
+        except Exception as err:  # noqa: BLE001
+            verdict, usage = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", ""
+        failures += not verdict.startswith("ok")
+        print(f"{verdict:>4}  {'read_all':24s} {'read floor EVICT=' + repr(evict):38s} {usage}", flush=True)
+    return failures
 
 
 if __name__ == "__main__":
