@@ -43,16 +43,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture
-def gluon_at_every_length(monkeypatch):
-    """Some short calls go to the portable kernels by default (``gpu.hopper.SHORT_PORTABLE``);
-    the Gluon kernels' own tests (test_hopper_fwd, test_hopper_bwd) send them to the Gluon
-    kernels too, so their masks stay tested at the lengths that cut tiles oddly."""
-    from tileattn.gpu import hopper
-
-    monkeypatch.setattr(hopper, "SHORT_PORTABLE", {})
-
-
 @pytest.fixture(params=["cpu", "triton"])
 def device(request, monkeypatch):
     """Run a public-API test on each backend: the torch tiles on the CPU, and the Triton

@@ -23,7 +23,7 @@ from tileattn.gpu.hopper_bwd import hopper_bwd_reason
 
 from tolerance import GRAD_FACTOR, assert_within, plain_attention
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)

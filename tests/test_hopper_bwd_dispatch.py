@@ -142,25 +142,3 @@ def test_reductions_at_head_dim_64_split_query_rows(monkeypatch):
     assert grid == (math.ceil(350 / 128), 2, 2) and meta["DQ_REDUCE"] and meta["DKDV"]
     assert args["c_desc"].block_shape == [1, 128, 1, 64]  # 128-query column tiles
     assert list(args["dq_desc"].shape) == [2 * 300, 8 * 64] and list(args["dq_desc"].block_shape) == [64, 64]
-
-@pytest.mark.parametrize("rows", [512, 513, 1024, 1025])
-def test_short_calls_go_to_the_portable_kernels(rows):
-    """SHORT_PORTABLE: causal at head dim 64 up to 1024 rows (forward) is told no before the device
-    is looked at; the backward never is; windows are not; packed calls count the longest sequence
-    (max_seqlen_q)."""
-    from tileattn.gpu.hopper import hopper_fwd_reason
-
-    def reasons(q, params, **packed):
-        f = hopper_fwd_reason(q, q, q, params, alibi_slopes=None, varlen=bool(packed), paged=False, seqused_k=None,
-                              num_splits=0, **packed)
-        b = hopper_bwd.hopper_bwd_reason(q, q, q, q, q, q, q, params, varlen=bool(packed), **packed)
-        return tuple(r is not None and r.startswith("short") for r in (f, b))
-
-    causal, unmasked = AttnParams(0.125, -1, 0), AttnParams(0.125, -1, -1)
-    for head_dim, params, (fwd_rows, bwd_rows) in ((64, causal, (1024, 0)), (128, causal, (0, 0)),
-                                                  (128, unmasked, (0, 0)), (64, unmasked, (0, 0))):
-        expect = (rows <= fwd_rows, rows <= bwd_rows)
-        assert reasons(torch.empty(1, rows, 2, head_dim, dtype=torch.bfloat16), params) == expect
-        assert reasons(torch.empty(3 * rows, 2, head_dim, dtype=torch.bfloat16), params, max_seqlen_q=rows) == expect
-    for window in (AttnParams(0.125, 64, 0), AttnParams(0.125, -1, 8)):
-        assert reasons(torch.empty(1, rows, 2, 64, dtype=torch.bfloat16), window) == (False, False)

@@ -19,7 +19,7 @@ from tileattn.contract import AttnParams
 
 from tolerance import assert_within, plain_attention
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gluon_at_every_length")]
+pytestmark = pytest.mark.gpu
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),

@@ -149,7 +149,7 @@ def _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_
     """The plan of one call (``dout`` with a unit last stride): the Hopper rule asked, the key
     built, the plan looked up or made."""
     hopper = hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
-                               varlen=cu_seqlens_q is not None, max_seqlen_q=max_seqlen_q) is None
+                               varlen=cu_seqlens_q is not None) is None
     key = (dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape[-1], v.stride(), out.stride(), lse.shape, lse.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, dq.dtype, dk.dtype,
            dv.dtype, lse.dtype, q.device,
@@ -187,8 +187,7 @@ def prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes, cu
     ``attn_bwd``."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None or params.dropout_p > 0:
         return None
-    hopper = bwd_signature_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes,
-                                  max_seqlen_q=max_seqlen_q) is None
+    hopper = bwd_signature_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes) is None
     return PreparedBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic), (dout.stride(), dout.dtype),
                        None if dlse is None else (dlse.stride(), dlse.dtype), kernel_scalars(params, q.shape[-2]),
                        HopperBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic)) if hopper else None)

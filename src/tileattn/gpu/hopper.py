@@ -86,20 +86,6 @@ PERSISTENT_MIN_GROUP = 24
 DYNAMIC_SCHEDULE = True
 DYNAMIC_MIN_GROUP = 12
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
-# Short calls the portable kernels serve faster: (head dim, causal, "fwd" or "bwd") -> the most
-# query rows (per sequence) sent there; causal means no window beyond causality, not causal no
-# mask at all. Measured on the H200 at 16k tokens a batch, portable vs Gluon TFLOP/s, medians of
-# 3 interleaved rounds (docs/perf-notes.md, 2026-11-30 17:05): head dim 64 causal, forward 205 vs
-# 138 at 512 rows and 262 vs 218 at 1024, backward 164 vs 135 at 512 (1024: 219 vs 267, Gluon);
-# head dim 128 causal, forward 211 vs 201 and backward 164 vs 155 at 512; head dim 128 without a
-# mask, backward 259 vs 236 at 512 (forward: 317 vs 396, Gluon). From 1k (head dim 128) and 2k
-# (64) on the Gluon kernels are ahead everywhere. Since the persistent grouped order of dense causal
-# calls (2026-12-01 05:37), the Gluon forward at head dim 128, causal, 512 rows: 229 against 210.
-# The backward's entries went on 2026-12-01 11:40: the Gluon backward (two launches at <= 1024 rows,
-# hopper_bwd.REDUCE_MIN_ROWS) against the portable kernels at 512 rows, backward alone: head dim 128
-# causal 225 against 163, unmasked 306 against 260; head dim 64 causal 186 against 162 (the Gluon
-# figures from the 10:55 run, the portable ones from 11:40: different hosts, margins of 15-38 %).
-SHORT_PORTABLE = {(64, True, "fwd"): 1024}
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -188,17 +174,6 @@ def options_reason(params: AttnParams, alibi_slopes) -> str | None:
     return None
 
 
-def short_call(params: AttnParams, head_dim: int, rows: int, kind: str) -> str | None:
-    """Why the portable kernels take this call (``SHORT_PORTABLE``), or None: ``kind`` "fwd" or
-    "bwd", ``rows`` the longest sequence's queries."""
-    if params.window_left >= 0 or params.window_right > 0:
-        return None
-    causal = params.window_right == 0
-    if rows <= SHORT_PORTABLE.get((head_dim, causal, kind), 0):
-        return f"short {'causal' if causal else 'unmasked'} call at head dim {head_dim}"
-    return None
-
-
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
                       num_splits: int, max_seqlen_q: int = 0) -> str | None:
     """None when the Hopper kernel can compute this forward call, else why not (one short phrase).
@@ -207,7 +182,7 @@ def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool
     no before the environment and the device are looked at. All but the environment
     (``switch_reason``) and the data pointers' alignment are fixed by the call's signature:
     ``fwd_signature_reason`` asks them once, ``call_reason`` the rest."""
-    return (_fwd_shape_reason(q, params, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_reason(q)
+    return (_fwd_shape_reason(q, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_reason(q)
             or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen) or _pointers_reason(q, k, v))
 
 
@@ -216,7 +191,7 @@ def fwd_signature_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: b
     """The part of ``hopper_fwd_reason`` that every call with these tensors' metadata (shapes,
     strides, dtypes, device) and these options answers alike; a call passes the whole rule when
     this is None and ``call_reason(q, k, v)`` is None."""
-    return (_fwd_shape_reason(q, params, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_kind_reason(q)
+    return (_fwd_shape_reason(q, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_kind_reason(q)
             or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen))
 
 
@@ -227,16 +202,13 @@ def call_reason(*tensors) -> str | None:
     return switch_reason() or _pointers_reason(*tensors)
 
 
-def _fwd_shape_reason(q, params: AttnParams, varlen: bool, paged: bool, seqused_k, num_splits: int,
-                      max_seqlen_q: int) -> str | None:
+def _fwd_shape_reason(q, varlen: bool, paged: bool, seqused_k, num_splits: int, max_seqlen_q: int) -> str | None:
     if paged or seqused_k is not None:
         return "paged / seqused_k"
     if num_splits > 1:
         return "explicit KV splits"
     rows = max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[0 if varlen else 1]
-    if rows < MIN_SEQLEN_Q:
-        return "decoding shape"
-    return short_call(params, q.shape[-1], rows, "fwd")
+    return "decoding shape" if rows < MIN_SEQLEN_Q else None
 
 
 def _fwd_operands_reason(q, k, v, params: AttnParams, alibi_slopes, varlen: bool) -> str | None:

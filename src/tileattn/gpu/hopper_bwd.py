@@ -41,8 +41,7 @@ import torch
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
 from ._launch import cdiv
-from .hopper import (GluonLaunch, _pointers_reason, _strides_reason, device_kind_reason, device_reason, options_reason,
-                     short_call)
+from .hopper import GluonLaunch, _pointers_reason, _strides_reason, device_kind_reason, device_reason, options_reason
 
 __all__ = ["hopper_bwd_reason", "bwd_signature_reason", "hopper_attn_bwd", "HopperBwd", "HOPPER_BWD_TILES"]
 
@@ -60,29 +59,21 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def hopper_bwd_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
-                      varlen: bool = False, max_seqlen_q: int = 0) -> str | None:
+                      varlen: bool = False) -> str | None:
     """None when the Hopper kernels can compute this backward call's dq, dk, dv, else why not
     (one short phrase). dlse and learnable sinks only change the preprocess, which both paths
-    share; ``deterministic`` needs nothing (no atomics, one tile configuration). The shape
-    rule comes first, as the forward's. All but the environment (``hopper.switch_reason``) and the
-    data pointers' alignment are fixed by the call's signature: ``bwd_signature_reason`` asks them
-    once, ``hopper.call_reason(q, k, v, dout)`` the rest."""
-    return (_bwd_shape_reason(q, params, varlen, max_seqlen_q) or device_reason(q)
-            or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen)
+    share; ``deterministic`` needs nothing (no atomics, one tile configuration). All but the
+    environment (``hopper.switch_reason``) and the data pointers' alignment are fixed by the call's
+    signature: ``bwd_signature_reason`` asks them once, ``hopper.call_reason(q, k, v, dout)`` the rest."""
+    return (device_reason(q) or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen)
             or _pointers_reason(q, k, v, dout))
 
 
 def bwd_signature_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, *, alibi_slopes=None,
-                         varlen: bool = False, max_seqlen_q: int = 0) -> str | None:
+                         varlen: bool = False) -> str | None:
     """The part of ``hopper_bwd_reason`` that every call with these tensors' metadata and these
     options answers alike."""
-    return (_bwd_shape_reason(q, params, varlen, max_seqlen_q) or device_kind_reason(q)
-            or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen))
-
-
-def _bwd_shape_reason(q, params: AttnParams, varlen: bool, max_seqlen_q: int) -> str | None:
-    return short_call(params, q.shape[-1], max_seqlen_q if varlen and max_seqlen_q > 0 else q.shape[0 if varlen else 1],
-                      "bwd")
+    return (device_kind_reason(q) or _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes, varlen))
 
 
 def _bwd_operands_reason(dout, q, k, v, dq, dk, dv, params: AttnParams, alibi_slopes, varlen: bool) -> str | None:

@@ -8,7 +8,7 @@ to call: ``prepare_fwd`` works the rest out once and returns the launch with onl
 left to pass.
 
 The Hopper rule (``hopper_fwd_reason``) is asked in two parts. What the signature fixes (a KV
-cache, an explicit split count, fewer than ``MIN_SEQLEN_Q`` query rows, short calls, dtypes, head
+cache, an explicit split count, fewer than ``MIN_SEQLEN_Q`` query rows, dtypes, head
 dims, strides, options: ``fwd_signature_reason``) once, here; where that says yes (prefill shapes),
 the rest, which reads the environment and the pointers' alignment (``call_reason``), on every call,
 as ``attn_fwd`` would, and a call it accepts goes to the signature's Gluon launch (``HopperFwd``:
