@@ -52,6 +52,46 @@ def test_views_are_accepted(device):
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
 
 
+def _last_stride_not_one(gen, case):
+    """q, k, v whose last stride is not 1 although torch counts them contiguous (``.contiguous()``
+    returns them as they are): no elements (a sliced sequence of length 0), or a head dim of 1
+    reached by a transpose."""
+    if case == "head dim 1":
+        return (rand(gen, 2, 5, 1, 4).transpose(2, 3), rand(gen, 2, 7, 1, 2).transpose(2, 3),
+                rand(gen, 2, 7, 1, 2).transpose(2, 3))
+    sq, sk = (0, 6) if case == "no queries" else (6, 0)
+    return (rand(gen, 2, sq, 4, 16)[..., ::2], rand(gen, 2, sk, 2, 16)[..., ::2], rand(gen, 2, sk, 2, 8))
+
+
+@pytest.mark.parametrize("case", ["no keys", "no queries", "head dim 1"])
+def test_views_that_torch_counts_contiguous_train(device, case):
+    """The forward and backward take them and match the reference (the Triton backward stopped
+    on a bare AssertionError: ``.contiguous()`` had left their last stride as it was)."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _last_stride_not_one(gen, case)
+    assert any(t.stride(-1) != 1 and t.is_contiguous() for t in (q, k, v))
+    leaves = [t.to(device).detach().requires_grad_() for t in (q, k, v)]
+    out = tileattn.flash_attn_func(*leaves, causal=True)
+    dout = rand(gen, *out.shape)
+    out.backward(dout.to(device))
+    ref_o, _ = R.attention_naive(*(t.double().numpy() for t in (q, k, v)), causal=True)
+    ref = R.attention_naive_grad(*(t.double().numpy() for t in (q, k, v, dout)), causal=True)
+    for got, r in zip([out] + [t.grad for t in leaves], (ref_o, *ref)):
+        assert got.shape == r.shape
+        np.testing.assert_allclose(got.detach().cpu().double().numpy(), r, atol=1e-5)
+
+
+def test_varlen_views_that_torch_counts_contiguous_train(device):
+    """A packed batch of no query tokens, q sliced in its last dim: gradients (zero) come back."""
+    gen = torch.Generator().manual_seed(13)
+    q = rand(gen, 0, 4, 32)[..., ::2].to(device).requires_grad_()
+    k, v = (rand(gen, 9, 2, 16).to(device).requires_grad_() for _ in range(2))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 0, 0], [0, 4, 9]))
+    out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 5, causal=True)
+    (out * 2).sum().backward()
+    assert q.grad.shape == q.shape and not k.grad.any() and not v.grad.any()
+
+
 @pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
                                                         (True, (-1, -1), 3.0, True)])
 def test_gradients_match_reference(device, causal, window, softcap, alibi):

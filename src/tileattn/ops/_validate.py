@@ -240,9 +240,14 @@ def check_backward(batch: int, q, k, v, learnable_sink=None) -> None:
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Kernels take any strides but a unit stride on the last dim; copy only when needed."""
+    """Kernels take any strides but a unit stride on the last dim; copy only when needed.
+
+    Not ``t.contiguous()``: torch counts a tensor without elements, or one whose last dim has
+    size 1, as contiguous whatever its last stride (``x[..., ::2]`` of a sequence of length 0,
+    a head dim of 1 reached by a transpose) and returns it as it is; the Triton backward then
+    stopped on a bare AssertionError after the forward had run."""
     if t is not None and t.stride(-1) != 1:
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
