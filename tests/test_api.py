@@ -92,6 +92,25 @@ def test_varlen_views_that_torch_counts_contiguous_train(device):
     assert q.grad.shape == q.shape and not k.grad.any() and not v.grad.any()
 
 
+def test_heads_two_gigaelements_apart_train(device):
+    """q with its heads 2**30 + 64 elements apart (the head index x head stride passes 2**31): the
+    Triton backward's int32 head offsets wrapped around (a segfault in the interpreter); twice, as
+    the second call of a signature takes the prepared launch."""
+    gen = torch.Generator().manual_seed(14)
+    head_stride, (B, S, H, D) = 2**30 + 64, (1, 9, 3, 16)
+    store = torch.empty((H - 1) * head_stride + S * D, device=device)
+    q = store.as_strided((B, S, H, D), (S * D, D, head_stride, 1))
+    q.copy_(rand(gen, B, S, H, D))
+    k, v = rand(gen, B, S, H, D).to(device), rand(gen, B, S, H, D).to(device)
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        dout = rand(gen, B, S, H, D)
+        tileattn.flash_attn_func(*leaves, causal=True).backward(dout.to(device))
+        ref = R.attention_naive_grad(*(t.detach().cpu().double().numpy() for t in (q, k, v, dout)), causal=True)
+        for got, r in zip((t.grad for t in leaves), ref):
+            np.testing.assert_allclose(got.cpu().double().numpy(), r, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
                                                         (True, (-1, -1), 3.0, True)])
 def test_gradients_match_reference(device, causal, window, softcap, alibi):
