@@ -648,7 +648,7 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
         in_use = entries[np.arange(entries.shape[1])[None, :] < pages[:, None]]
         if in_use.size and (in_use.min() < 0 or in_use.max() >= num_blocks):
             fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "
-                             f"{'blocks' if table_name == 'block_table' else 'rows'}, found "
+                             f"{'rows' if table_name == 'cache_batch_idx' else 'blocks'}, found "
                              f"{in_use.min()}..{in_use.max()}")
 
 
