@@ -210,6 +210,38 @@ def test_merge_states_is_exact():
     assert torch.isneginf(l3).all() and torch.equal(o3, torch.zeros_like(a))
 
 
+@pytest.mark.parametrize("merge", ["merge_states", "merge_many"])
+def test_merge_gradients_of_rows_empty_in_every_part(merge):
+    """A row that no part saw (lse -inf in each) has zero gradients, as the rows that some part saw
+    have theirs (against the float64 gradient of the same merge written out per row): the
+    log-sum-exp of -inf alone gave NaN to every part's lse, even from a loss on o alone."""
+    gen = torch.Generator().manual_seed(9)
+    o_a, o_b = rand(gen, 2, 3, 2, 4), rand(gen, 2, 3, 2, 4)
+    lse_a, lse_b = rand(gen, 2, 2, 3), rand(gen, 2, 2, 3)
+    lse_a[0, 1, 2] = lse_b[0, 1, 2] = float("-inf")  # empty in both: merged (0, -inf)
+    lse_a[1, 0, 0] = float("-inf")  # empty in one part only
+    o_a[0, 2, 1] = o_b[0, 2, 1] = 0.0
+    dout, dlse = rand(gen, 2, 3, 2, 4), rand(gen, 2, 2, 3)
+    leaves = [t.clone().requires_grad_(True) for t in (o_a, lse_a, o_b, lse_b)]
+    if merge == "merge_states":
+        o, lse = tileattn.merge_states(*leaves)
+    else:
+        o, lse = tileattn.merge_many(leaves[0::2], leaves[1::2])
+    assert torch.isneginf(lse[0, 1, 2]) and torch.equal(o[0, 2, 1], torch.zeros(4))
+    ((o * dout).sum() + torch.where(torch.isneginf(lse), 0.0, lse * dlse).sum()).backward()
+    # float64: per row, lse = log(e^a + e^b) over the parts that saw a key, o their weighted sum
+    ref = [t.double().clone().requires_grad_(True) for t in (o_a, lse_a, o_b, lse_b)]
+    seen = ~(torch.isneginf(lse_a) & torch.isneginf(lse_b))
+    parts = [torch.where(seen, ref[i], 0.0) for i in (1, 3)]  # the empty row left out of the graph
+    lse_ref = torch.logaddexp(*parts)
+    w_a, w_b = (torch.exp(p - lse_ref).where(seen, 0.0).transpose(1, 2)[..., None] for p in parts)
+    o_ref = w_a * ref[0] + w_b * ref[2]
+    ((o_ref * dout.double()).sum() + (lse_ref * dlse.double()).where(seen, 0.0).sum()).backward()
+    for name, leaf, r in zip(("o_a", "lse_a", "o_b", "lse_b"), leaves, ref):
+        assert torch.isfinite(leaf.grad).all(), f"{name}: gradient not finite"
+        torch.testing.assert_close(leaf.grad.double(), r.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
