@@ -19,6 +19,11 @@ when asked) and attention, no host-device synchronisation, so a step can be capt
 CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
 planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
+A plan is one step's: with ``seqlen_new > 0`` the lengths attended over, ``cache_seqlens +
+seqlen_new``, are computed when the plan is made, while each ``run``'s append reads
+``cache_seqlens`` as it is then. After ``cache_seqlens`` changes (in place too), make a new plan;
+a graph replayed over several steps captures the plan's construction with its runs.
+
 ``cache_leftpad`` (batch,) int32, as for ``flash_attn_with_kvcache``: sequence b attends to slots
 cache_leftpad[b] ... of its contiguous cache row (a left-padded batch, as transformers' generate()
 decodes it). The plan works out once the packed offsets that read the slots in place (every
