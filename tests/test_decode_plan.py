@@ -138,6 +138,38 @@ def test_plan_rejects_a_layer_it_was_not_made_for():
 
 
 @pytest.mark.gpu
+def test_a_step_captured_with_its_plan_replays_over_advancing_lengths():
+    """One decoding step captured with its plan made inside the graph (the usage the docs give for
+    a graph replayed step after step), then replayed twice with cache_seqlens advanced in place
+    between replays: each replay equals flash_attn_with_kvcache's eager step on copies of the
+    caches (the append at the new positions, attention over the new lengths), outputs and caches."""
+    gen = torch.Generator().manual_seed(89)
+    lens, table, layers = _layers(gen, 2, 3, 32, True, "cuda", torch.bfloat16)
+    ref_lens, ref_pools = lens.clone(), [(k.clone(), v.clone()) for _, k, v, _, _ in layers]
+
+    def step():
+        plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, causal=True)
+        return [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
+
+    graph, _, static = captured(step)
+    for (_, k, v, _, _), (k0, v0) in zip(layers, ref_pools):  # undo the warm-up call's append
+        k.copy_(k0)
+        v.copy_(v0)
+    for _ in range(2):  # lengths 5, 17, 30 in pages of 8 up to 32: two steps fit
+        graph.replay()
+        want = [tileattn.flash_attn_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=ref_lens, block_table=table,
+                                                 causal=True) for (q, _, _, kn, vn), (kr, vr) in zip(layers, ref_pools)]
+        torch.cuda.synchronize()
+        for s, w in zip(static, want):
+            torch.testing.assert_close(s, w, rtol=0, atol=0)
+        for (_, k, v, _, _), (kr, vr) in zip(layers, ref_pools):
+            torch.testing.assert_close(k, kr, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v, vr, rtol=0, atol=0, equal_nan=True)
+        lens += 1
+        ref_lens += 1
+
+
+@pytest.mark.gpu
 def test_planned_step_replays_from_a_cuda_graph():
     """Plan outside, capture two layers' runs, replay: equal to the eager runs, which never
     synchronise with the device (sync debug mode "error")."""
