@@ -55,6 +55,31 @@ def test_plan_runs_each_layer_as_flash_attn_with_kvcache(device, paged, rotary):
         assert not got[0].isnan().any()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "left-padded"])
+def test_a_plan_reads_the_lengths_as_they_are_when_it_runs(device, layout):
+    """A plan's appending runs after cache_seqlens advanced in place (the lengths a replayed graph
+    sees): the new keys go to the new positions and attention reads the lengths the append wrote,
+    equal to flash_attn_with_kvcache's call with the new lengths (before: attention over the
+    lengths worked out when the plan was made, off by the step's new key)."""
+    gen = torch.Generator().manual_seed(87)
+    lens, table, layers = _layers(gen, 1, 3, 32, layout == "paged", device)
+    extra = {} if layout != "left-padded" else {"cache_leftpad": torch.tensor([1, 0, 4], dtype=torch.int32,
+                                                                                device=device)}
+    q, k_cache, v_cache, k_new, v_new = layers[0]
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, table, seqlen_new=1, causal=True, return_softmax_lse=True,
+                               **extra)
+    k_ref, v_ref, ref_lens = k_cache.clone(), v_cache.clone(), lens.clone()
+    for _ in range(2):
+        got = plan.run(q, k_cache, v_cache, k=k_new, v=v_new)
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=ref_lens,
+                                                block_table=table, causal=True, return_softmax_lse=True, **extra)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+        lens += 1
+        ref_lens += 1
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_plan_over_an_fp8_cache(device, paged):
     """An FP8 cache: the plan quantises each layer's new keys with the step's descales and reads
