@@ -236,6 +236,25 @@ def test_packed_row_equals_separate_sequences(cpu_backend):
     torch.testing.assert_close(from_offsets, separate, rtol=0, atol=1e-5)
 
 
+def test_packed_rows_of_a_batch_equal_separate_sequences(cpu_backend):
+    """Two rows, each holding sequences found from its position_ids (as transformers' eager and SDPA
+    masks find them without a cache), and one row of positions shared by both rows: each sequence
+    attends to itself alone."""
+    model = make_model("llama", seed=11)
+    model.set_attn_implementation("tileattn")
+    ids = torch.randint(1, 128, (2, 15), generator=torch.Generator().manual_seed(14))
+    lengths = [[9, 6], [4, 11]]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    with torch.no_grad():
+        separate = torch.stack([torch.cat([model(ids[b:b + 1, s:s + n]).logits[0]
+                                           for s, n in zip((0, row[0]), row)]) for b, row in enumerate(lengths)])
+        packed = model(ids, position_ids=position_ids, use_cache=False).logits
+        shared = model(ids, position_ids=position_ids[:1], use_cache=False).logits
+        shared_separate = torch.cat([model(ids[:, :9]).logits, model(ids[:, 9:]).logits], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared, shared_separate, rtol=0, atol=1e-5)
+
+
 def test_packed_positions_are_read_once_per_forward(cpu_backend, monkeypatch):
     """Every layer gets the same position_ids tensor: where its sequences restart is read on the
     host once per forward, not once per layer (the model has two layers), and again for new ones."""

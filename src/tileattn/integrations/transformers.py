@@ -33,7 +33,7 @@ KV caches. What the layer hands over, and what tileattn does with it:
 * ``s_aux`` (gpt-oss): a learned sink logit per query head, passed as tileattn's
   ``learnable_sink`` (in float32, or float64 for a float64 model; its gradient flows back to
   the parameter).
-* packed batches without padding (one row holding several sequences): the
+* packed batches without padding (rows holding several sequences each): the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
   ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
 
@@ -356,8 +356,8 @@ def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, devi
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed row, or None.
 
     From the ``cu_seq_lens_*`` / ``max_length_*`` keywords when given (all four); otherwise, in
-    eager mode for one row of fresh tokens, from ``position_ids``: a sequence starts wherever
-    the position does not continue the previous one by 1.
+    eager mode for rows of fresh tokens, from ``position_ids``: a sequence starts at each row's
+    first token and wherever the position does not continue the previous one by 1.
     """
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     given = [kwargs.get(n) for n in names]
@@ -365,24 +365,29 @@ def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, devi
         cu_q, cu_k, max_q, max_k = given
         return cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(max_q), int(max_k)
     position_ids = kwargs.get("position_ids")
-    if (position_ids is None or batch != 1 or seqlen_q != seqlen_k or seqlen_q < 2
-            or torch.compiler.is_compiling()):
+    if position_ids is None or seqlen_q != seqlen_k or seqlen_q < 2 or torch.compiler.is_compiling():
         return None
-    if position_ids.numel() != seqlen_q:
+    rows = position_ids.shape[0] if position_ids.dim() == 2 else 1 if position_ids.dim() == 1 else 0
+    if rows not in (1, batch) or position_ids.shape[-1] != seqlen_q:  # e.g. multimodal (3, batch, seqlen) positions
         return None
-    return _reused("positions", position_ids, (seqlen_q, device), lambda: _restarts(position_ids, seqlen_q, device))
+    return _reused("positions", position_ids, (batch, seqlen_q, device),
+                   lambda: _restarts(position_ids, batch, seqlen_q, device))
 
 
-def _restarts(position_ids, seqlen_q: int, device):
-    """The packed sequences of one row from where its positions restart (read on the host)."""
-    pos = position_ids.reshape(-1)
-    restarts = (pos[1:] - pos[:-1] != 1).nonzero().flatten() + 1
-    if restarts.numel() == 0:
+def _restarts(position_ids, batch: int, seqlen_q: int, device):
+    """The packed sequences of the rows from where their positions restart (read on the host), as
+    transformers' eager and SDPA masks find them: a sequence starts at each row's first token and
+    wherever a position does not continue the previous one by 1. Positions of one row (1, seqlen)
+    hold for every row. None when no row restarts."""
+    pos = position_ids.reshape(-1, seqlen_q)
+    starts = F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0), value=True)  # (rows, seqlen)
+    if int(starts.sum()) == starts.shape[0]:
         return None
-    bounds = [0, *restarts.tolist(), seqlen_q]
+    starts = starts.expand(batch, seqlen_q).flatten()
+    bounds = [*starts.nonzero().flatten().tolist(), batch * seqlen_q]
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     # built here from increasing bounds: the varlen call need not check them on the device
-    cu = vouch(torch.tensor(bounds, dtype=torch.int32, device=device), ("cu_seqlens", seqlen_q, longest))
+    cu = vouch(torch.tensor(bounds, dtype=torch.int32, device=device), ("cu_seqlens", batch * seqlen_q, longest))
     return cu, cu, longest, longest
 
 
