@@ -20,7 +20,7 @@ that some rank reads travel:
 
 The backward reuses the buffers (nothing travels twice), computes the away documents first and
 sends the gradients of borrowed rows straight back to their owners while the home call runs;
-an owner adds what comes back to its own rows in fp32, in rank order (deterministic). With W
+an owner adds what comes back to its own rows in fp32 (float64 for float64 inputs), in rank order (deterministic). With W
 ranks and causal documents no longer than a shard, rank r receives only the part of its first
 document held by rank r-1, and sends the part of its last one to rank r+1.
 
@@ -50,7 +50,7 @@ from ..contract import AttnParams
 from ..ops import _validate as V
 from ..ops.backend import backend_for
 from .comm import Peers
-from .engine import backward_inputs, sink_grad
+from .engine import acc_dtype, backward_inputs, sink_grad
 from .ring import ring_options
 
 __all__ = ["llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
@@ -276,7 +276,7 @@ def llama3_fwd(q, k, v, plan: Llama3Plan, peers, alibi=None, sink=None):
     backend = backend_for(q.device)
     g = q.shape[1] // k.shape[1]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=acc_dtype(q))  # float64 for float64 q
     posted = [_post_kv(plan, k, v, c, peers) for c in range(len(plan.chunks))]
     everything = slice(0, q.shape[1])
     for c in plan.home:  # all heads at once while the away keys travel
@@ -331,7 +331,7 @@ def llama3_bwd(dout, q, k, v, out, lse, dlse, plan: Llama3Plan, kept, peers, det
         if not parts:
             continue
         span = slice(min(x[2].start for x in parts), max(x[2].stop for x in parts))
-        acc_k, acc_v = dk[span].float(), dv[span].float()
+        acc_k, acc_v = dk[span].to(acc_dtype(k)), dv[span].to(acc_dtype(k))
         for h0, h1, rows, gk, gv in parts:
             acc_k[_local(rows, span.start), h0:h1] += gk
             acc_v[_local(rows, span.start), h0:h1] += gv
@@ -396,9 +396,9 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     ``causal`` and ``window_size`` act on positions inside each document. ``alibi_slopes`` fp32
     (nheads,) or (num_local_sequences, nheads) where no sequence's keys run past its queries
     (always with causal=True). v may have a head dim of its own, headdim_v (out and dv have it).
-    Returns out (total_local, nheads, headdim_v), or with
-    ``return_attn_probs`` ``(out, softmax_lse (nheads, total_local) fp32, None)``. Arguments as
-    in ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
+    Returns out (total_local, nheads, headdim_v), or with ``return_attn_probs`` ``(out,
+    softmax_lse (nheads, total_local) fp32 (float64 for float64 q), None)``. Arguments as in
+    ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
     its gradient is this rank's rows' share, summed across ranks like any replicated parameter's)
     are tileattn's additions. Differentiable in q, k, v, the sinks and the returned LSE.
 

@@ -14,10 +14,11 @@ Arguments, order and meaning as in ring-flash-attention (and flash-attn): ``drop
 softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group``; the
 keyword ``softcap`` is tileattn's addition. ``causal`` and ``window_size`` are about GLOBAL
 positions: query i sees key j iff ``i - window_left <= j <= i + window_right`` (causal: right = 0).
-Returns the output, or with ``return_attn_probs`` ``(out, softmax_lse, None)``, the LSE fp32 of
-the local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)). Differentiable in
-q, k, v; every rank must call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0.
-Runs on gloo (CPU tensors) and NCCL (CUDA).
+Returns the output, or with ``return_attn_probs`` ``(out, softmax_lse, None)``, the LSE of the
+local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)), fp32 (float64 for
+float64 inputs on the CPU path, as the single call). Differentiable in q, k, v; every rank must
+call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0. Runs on gloo (CPU
+tensors) and NCCL (CUDA).
 
 v may have a head dim of its own, headdim_v (MLA trains with q/k of 192 and v of 128): the
 output and dv have it, dq and dk q/k's. (The ``_kvpacked`` / ``_qkvpacked`` forms take one head
@@ -178,12 +179,22 @@ def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size,
                            softcap=softcap, dropout_p=dropout_p)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     params = with_dropout_seed(params, q.device)
+    check_group(name, group)
+    return params
+
+
+def check_group(name: str, group) -> None:
+    """A process group this rank belongs to (None: the world), in an initialized torch.distributed.
+    On a rank outside a group, ``dist.new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int),
+    which is named as such: the members run without this rank, so it alone raises."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        if dist.is_available() and type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+            V.fail(ValueError, f"{name}: this rank is not a member of group (torch.distributed.new_group returned "
+                               "GroupMember.NON_GROUP_MEMBER here): call it only on the ranks of the group")
+        V.fail(TypeError, f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
                              "(a world of one rank works)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        V.fail(TypeError, f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    return params
 
 
 def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
