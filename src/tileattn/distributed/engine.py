@@ -211,8 +211,8 @@ def _post_grad(peers: Peers, plan: Plan, own, axis: int, grad, step: int):
 
 
 def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
-    """(out in q's dtype with v's head dim, lse fp32 (float64 for float64 inputs)) of this rank's queries over every rank's
-    keys/values; learnable sinks ``sink`` (nheads,) merged once into the final state."""
+    """(out in q's dtype with v's head dim, lse in ``acc_dtype``) of this rank's queries over every
+    rank's keys/values; learnable sinks ``sink`` (nheads,) merged once into the final state."""
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
     out = torch.empty((*q.shape[:-1], v.shape[-1]), device=q.device, dtype=acc_dtype(q))

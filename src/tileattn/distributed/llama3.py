@@ -20,9 +20,10 @@ that some rank reads travel:
 
 The backward reuses the buffers (nothing travels twice), computes the away documents first and
 sends the gradients of borrowed rows straight back to their owners while the home call runs;
-an owner adds what comes back to its own rows in fp32 (float64 for float64 inputs), in rank order (deterministic). With W
-ranks and causal documents no longer than a shard, rank r receives only the part of its first
-document held by rank r-1, and sends the part of its last one to rank r+1.
+an owner adds what comes back to its own rows in fp32 (float64 for float64 inputs), in rank
+order (deterministic). With W ranks and causal documents no longer than a shard, rank r
+receives only the part of its first document held by rank r-1, and sends the part of its last
+one to rank r+1.
 
 Positions are global: local query row t is packed row ``r T/W + t``. The backend aligns masks
 bottom-right per document; a document whose keys run past its local queries (causal=False) is
