@@ -50,7 +50,7 @@ from tileattn.distributed import (
     zigzag_unshard,
     zigzag_unshard_varlen,
 )
-from tileattn import flash_attn_varlen_func
+from tileattn import flash_attn_func, flash_attn_varlen_func
 from tileattn.distributed.ring import DensePlan
 from tileattn.ops.attention import draw_dropout_seed
 from tileattn.reference import attention_naive, attention_naive_grad
@@ -787,3 +787,94 @@ def test_transfers_carry_only_what_is_read(world):
     window = DensePlan(world, local, AttnParams(softmax_scale=1.0, window_left=3, window_right=0), zigzag=False)
     assert window.steps(world) == [0, 1]
     assert _span(window.calls(1, 0), local) == slice(local - 3, local)
+
+
+# ----------------------------------------------------------------------------- ranks that disagree
+
+
+def _disagreements(rank: int, world: int):
+    """[(name, call)]: calls whose inputs differ across the ranks, or that only one rank refuses."""
+    g = torch.Generator().manual_seed(rank)
+    last = rank == world - 1
+
+    def dense(seqlen=4, heads_k=2, causal=True, fn=ring_flash_attn_func):
+        q = torch.randn(1, seqlen, 2, 8, generator=g)
+        k, v = (torch.randn(1, seqlen, heads_k, 8, generator=g) for _ in range(2))
+        return lambda: fn(q, k, v, causal=causal)
+
+    def zigzag_varlen(cu):
+        q, k, v = (torch.randn(8, 2, 8, generator=g) for _ in range(3))
+        return lambda: zigzag_ring_flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), 6, causal=True)
+
+    def llama3(rows=8, causal=True, alibi=False):
+        cu = torch.tensor([0, 5, rows * world], dtype=torch.int32)
+        q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
+        if rows != 8:  # the offsets of 8 rows a rank: a rank with another count is refused by the others
+            cu = torch.tensor([0, 5, 8 * world], dtype=torch.int32)
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+        if rows != 8:
+            cu_q = torch.tensor([0, rows], dtype=torch.int32)
+            cu_k, max_q, max_k, k_slice = cu_q, rows, rows, slice(rank * rows, (rank + 1) * rows)
+        slopes = torch.full((2,), 0.25) if alibi else None
+        return lambda: llama3_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=causal,
+                                                     alibi_slopes=slopes)
+
+    return [
+        ("seqlen_local differs", dense(seqlen=6 if last else 4)),
+        ("nheads_k differs", dense(heads_k=1 if last else 2, fn=zigzag_ring_flash_attn_func)),
+        ("window_right differs", dense(causal=not last)),
+        ("cu_seqlens differs", zigzag_varlen([0, 2, 8] if last else [0, 4, 8])),
+        # odd local lengths on the last rank only: it says why, the others that it refused
+        ("must be even" if last else "refused their inputs", zigzag_varlen([0, 3, 8] if last else [0, 4, 8])),
+        ("total_local differs", llama3(rows=6 if last else 8)),
+        # ALiBi with causal=False: only the ranks whose first document's keys run past their rows refuse
+        (None, llama3(causal=False, alibi=True)),
+    ]
+
+
+def _disagree_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    results = []
+    for expected, call in _disagreements(rank, world):
+        try:
+            call()
+            results.append((expected, "no exception"))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.append((expected, f"{type(e).__name__}: {e}"))
+    # the group is still usable: a valid call after all those refused
+    g = torch.Generator().manual_seed(11)
+    whole = [torch.randn(1, 4 * world, 2, 8, generator=g) for _ in range(3)]
+    out = ring_flash_attn_func(*(contiguous_shard(t, rank, world) for t in whole), causal=True)
+    ref = contiguous_shard(flash_attn_func(*whole, causal=True), rank, world)
+    results.append(("valid call", float((out - ref).abs().max())))
+    with open(f"{result_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_all_raise(world, tmp_path):
+    """Shapes or options that differ across the ranks, or inputs that one rank refuses, raise a
+    ValueError on EVERY rank before the ring exchanges anything (one small all-gather of each
+    rank's call signature and verdict), instead of a hang, a gloo size mismatch or, with local
+    offsets that differ, silently wrong outputs; the group stays usable."""
+    ctx = mp.start_processes(_disagree_worker, args=(world, str(tmp_path / "pg"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks that disagree: a world of {world} did not finish (hang)")
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, results in enumerate(per_rank):
+        *refused, (_, err) = results
+        for expected, got in refused:
+            assert got.startswith(("ValueError", "NotImplementedError")), f"rank {r}, {expected}: {got}"
+            assert expected is None or expected in got, f"rank {r}: expected {expected!r}, got {got}"
+        assert err < 1e-5, f"rank {r}: the valid call after the refused ones is off by {err}"
+    alibi = [results[-2][1] for results in per_rank]  # its own reason where a rank refused, else the others'
+    assert any("keys may not run past" in x for x in alibi) and all(
+        "keys may not run past" in x or "refused their inputs" in x for x in alibi), alibi
