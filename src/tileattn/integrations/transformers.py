@@ -48,11 +48,14 @@ padded row becomes three segments of one varlen batch (real tokens must form one
 row: left or right padding); restarts in ``position_ids`` are not looked for (pass
 ``cu_seq_lens_*`` for packed rows).
 
-Needs a transformers with ``AttentionInterface`` and ``masking_utils.AttentionMaskInterface``
-(the registries of transformers 4.53 and later, all of 5.x).
+Needs transformers 5.4 or later: ``AttentionInterface``, and ``masking_utils.AttentionMaskInterface``
+calling a mask function with ``q_length`` / ``q_offset`` (4.53 to 5.3 pass ``cache_position``
+instead; ``register`` refuses them).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +72,24 @@ NAME = "tileattn"
 _NOT_FILLED = -1  # a static cache's key slot past the tokens seen so far (tileattn_mask's int8 form)
 
 
+MIN_TRANSFORMERS = (5, 4)  # the mask function's q_length / q_offset arguments (5.0-5.3: cache_position)
+
+
 def register() -> None:
     """Register ``"tileattn"`` with transformers' attention and mask registries (idempotent)."""
+    need = ".".join(map(str, MIN_TRANSFORMERS))
     try:
+        import transformers
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
-        raise ImportError(
-            "tileattn's transformers integration needs transformers with AttentionInterface and "
-            "masking_utils.AttentionMaskInterface (4.53 or later): pip install 'transformers>=4.53'"
-        ) from err
+        raise ImportError(f"tileattn's transformers integration needs transformers {need} or later: "
+                          f"pip install 'transformers>={need}'") from err
+    have = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+    if have < MIN_TRANSFORMERS:
+        raise ImportError(f"tileattn's transformers integration needs transformers {need} or later (its mask "
+                          f"functions take q_length / q_offset), found {transformers.__version__}: "
+                          f"pip install 'transformers>={need}'")
     AttentionInterface.register(NAME, tileattn_attention_forward)
     AttentionMaskInterface.register(NAME, tileattn_mask)
 
