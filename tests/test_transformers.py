@@ -498,7 +498,8 @@ def test_register_is_idempotent_and_import_is_lazy():
 def test_register_refuses_a_transformers_whose_mask_functions_take_cache_position(monkeypatch, version):
     """transformers 4.53-5.3 call a mask function with cache_position, not q_length / q_offset: the
     first call of a model would fail inside transformers with a TypeError, so registering refuses."""
-    monkeypatch.setattr(transformers, "__version__", version)
+    # the module register() imports now (sys.modules' entry: an earlier test's import may have replaced it)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     with pytest.raises(ImportError, match=f"5.4 or later .*found {version}"):
         tt.register()
 
