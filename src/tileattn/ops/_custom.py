@@ -276,7 +276,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     A public function's memo entry may hold a prepared launch (``prepare``) that its later calls
     take instead of this function.
     """
-    if _forward_ad._current_level >= 0:  # a forward-mode AD level is open (~0.03 us to ask)
+    if getattr(_forward_ad, "_current_level", -1) >= 0:  # a forward-mode AD level is open (~0.05 us to ask)
         _no_tangents(q, k, v, alibi_slopes, learnable_sink)
     if torch.compiler.is_compiling():
         return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,

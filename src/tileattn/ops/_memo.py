@@ -48,7 +48,7 @@ def signature(tensors: tuple, options: tuple, window_size, kv: tuple[int, int] |
     kinds = tuple(map(type, options))
     if (not _OPTION_TYPES.issuperset(kinds) or type(window_size) is not tuple or len(window_size) != 2
             or type(window_size[0]) is not int or type(window_size[1]) is not int
-            or torch.compiler.is_compiling() or _forward_ad._current_level >= 0):
+            or torch.compiler.is_compiling() or getattr(_forward_ad, "_current_level", -1) >= 0):
         return None
     key = [os.environ.get("TILEATTN_BACKEND", ""), torch.is_grad_enabled(), options, kinds, window_size]
     for t in tensors:
