@@ -139,7 +139,8 @@ class DecodePlan:
         # whether v_cache is k_cache's leading columns (MLA's latent) is part of it: the plan reads
         # the value tile from the key tile then, and the append writes the latent once
         return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
-                v_cache.stride(), k_cache.dtype, v_cache.dtype, _is_prefix_view(v_cache, k_cache))
+                v_cache.stride(), k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
+                _is_prefix_view(v_cache, k_cache))
 
     def run(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
         """One layer's attention: out (batch, seqlen_q, nheads, headdim_v), or ``(out, lse)``.
