@@ -70,6 +70,9 @@ class DecodePlan:
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
         V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
+        if seqlen_new:  # every layer's caches have these strides (``run`` checks them)
+            V.check_writable("k_cache", k_cache)
+            V.check_writable("v_cache", v_cache)
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
         self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
