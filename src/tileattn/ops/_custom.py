@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..contract import AttnParams
 from .backend import backend_for
@@ -291,7 +292,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
         if out is None:
             return res
         if direct:  # the Triton kernels wrote out through its pointer: its version counter, as an in-place op's
-            torch._C._increment_version((out,))
+            increment_version(out)
             return res
         return _into(out, res)
     call = _Call(params, int(max_seqlen_q), int(max_seqlen_k), seqused_k, block_table, int(num_splits),

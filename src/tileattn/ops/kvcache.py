@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..contract import AttnParams
 from . import _validate as V
@@ -304,7 +305,8 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
         # the kernel wrote through data pointers: tell autograd, as torch's own in-place writes do (a
         # tensor saved for a backward that shares the cache's storage must fail that backward, not
         # silently give gradients of the overwritten values; the torch path below bumps them itself)
-        torch._C._increment_version((k_cache, v_cache))
+        increment_version(k_cache)
+        increment_version(v_cache)
         return (q if q_rot is None else q_rot), seqused
     if cos is not None:
         q, k = _rotate(q, k, cos, sin, cache_seqlens, interleaved, per_token_q)
