@@ -1,6 +1,6 @@
-"""Inputs the Gluon rules accept (or route) whose numbers only an H100/H200 can check: found by
-reading the host rules against the kernels' index math (review of 2026-12-01, branch
-review_gpurules). Each test names the suspected problem; all need the GPU (marker ``gpu``).
+"""Edge inputs of the Hopper (Gluon) kernels that the rules accept (or route) and only an H100/H200 can
+check, found by reading the host rules against the kernels' index math (2026-12-01). Each test names
+the suspected problem; all need the GPU (marker ``gpu``).
 
 * varlen: a key tile that runs past a packed sequence's end reads the next sequence's K and V rows.
   Their scores are masked to -inf (P = 0), but 0 x inf = NaN in the P V product: a non-finite V row
