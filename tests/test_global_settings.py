@@ -128,8 +128,9 @@ def _dense(q, k, v, alibi, sink):
     windowed = tileattn.flash_attn_func(q.detach(), k.detach(), v.detach(), window_size=(5, 3), softcap=30.0,
                                         learnable_sink=sink)
     torch.manual_seed(5)  # dropout draws its seed from torch's CPU generator
-    dropped = tileattn.flash_attn_func(q.detach(), k.detach(), v.detach(), dropout_p=0.3, causal=True)
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, windowed=windowed, dropped=dropped)
+    dropped, _, probs = tileattn.flash_attn_func(q.detach(), k.detach(), v.detach(), dropout_p=0.3, causal=True,
+                                                 return_attn_probs=True)  # probs: the dropout signs too
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, windowed=windowed, dropped=dropped, probs=probs)
 
 
 def test_flash_attn_func(device, setting):
