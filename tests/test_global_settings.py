@@ -300,3 +300,48 @@ def test_first_call_under_a_default_device_or_dtype(device, default):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # TILEATTN_BACKEND: the device fixture's
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _two_ranks(rank: int, world: int, init: str, result_dir: str) -> None:
+    """One rank of test_ring_of_two_under_a_default_device_of_meta: results with the default
+    device "meta" and without, compared; writes 'ok' or what differed or raised."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    from tileattn import distributed as D
+    gen = torch.Generator(device=CPU).manual_seed(0)
+    q, k, v = rand(gen, 1, 16, 4, 32), rand(gen, 1, 16, 2, 32), rand(gen, 1, 16, 2, 32)
+    cu = ints([0, 8, 24])
+
+    def run():
+        res = {}
+        for name, fn, shard in (("ring", D.ring_flash_attn_func, D.contiguous_shard),
+                                ("zigzag", D.zigzag_ring_flash_attn_func, D.zigzag_shard)):
+            lq, lk, lv = (shard(x, rank, world).clone().requires_grad_() for x in (q, k, v))
+            res[name] = fn(lq, lk, lv, causal=True)
+            res[name + "_dq"], res[name + "_dk"], res[name + "_dv"] = _backward(res[name], lq, lk, lv)
+        packed = [torch.cat([x[0], x[0, :8]]) for x in (q, k, v)]
+        lq, lk, lv = (D.zigzag_shard_varlen(x, cu, rank, world) for x in packed)
+        res["zigzag_varlen"] = D.zigzag_ring_flash_attn_varlen_func(lq, lk, lv, cu // world, 16 // world, causal=True)
+        return res
+
+    want = run()
+    torch.set_default_device("meta")
+    try:
+        assert_same(run(), want)
+        verdict = "ok"
+    except Exception as e:  # reported by the test
+        verdict = f"{type(e).__name__}: {e}"
+    finally:
+        torch.set_default_device(None)
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+        f.write(verdict)
+    dist.destroy_process_group()
+
+
+def test_ring_of_two_under_a_default_device_of_meta(tmp_path, monkeypatch):
+    """Two gloo ranks (the ranks' agreement on their inputs exchanges a row of ints before the ring)."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    import torch.multiprocessing as mp
+    mp.start_processes(_two_ranks, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["ok", "ok"]
