@@ -164,9 +164,15 @@ def forward_cases():
     q, k, v = t(500, 8, 96), t(600, 4, 96), t(600, 4, 96)
     cu_q = torch.tensor([0, 200, 500], dtype=torch.int32)
     cu_k = torch.tensor([0, 250, 600], dtype=torch.int32)
-    cases.append(("varlen window softcap alibi dropout sink", q, k, v, dict(
-        params=AttnParams(0.1, 64, 16, 30.0, 0.1, 7), alibi_slopes=torch.rand(2, 8), cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=350, learnable_sink=torch.randn(8, generator=g))))
+    sink = torch.randn(8, generator=g)
+    for cap, form in ((30.0, "cheap"), (1e3, "precise")):  # the two forms of tanh (gpu._tuning.softcap_form)
+        cases.append((f"varlen window softcap alibi dropout sink {form}", q, k, v, dict(
+            params=AttnParams(0.1, 64, 16, cap, 0.1, 7), alibi_slopes=torch.rand(2, 8),
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=350, learnable_sink=sink)))
+    q, k, v = t(2, 300, 8, 128), t(2, 300, 8, 128), t(2, 300, 8, 128)  # Gemma 2's: causal, window, softcap
+    for cap, form in ((50.0, "cheap"), (1e3, "precise")):
+        cases.append((f"dense causal window softcap {form} bf16 d128", q, k, v,
+                      dict(params=AttnParams(128**-0.5, 64, 0, cap))))
     for page in (16, 256):
         pool = t(64, page, 8, 128)
         table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
@@ -270,14 +276,21 @@ def backward_cases():
     # packed sequences with ALiBi, GQA 3:1, softcap, dropout, a two-sided window, dlse and sinks
     q, k, v = t(500, 6, 96), t(600, 2, 96), t(600, 2, 96)
     out, dout = t(500, 6, 96), t(500, 6, 96)
-    cases.append(("bwd varlen alibi softcap dropout dlse sink", (dout, q, k, v, out, torch.randn(6, 500, generator=g),
-                                                                 torch.empty_like(q), torch.empty_like(k),
-                                                                 torch.empty_like(v)),
-                  dict(params=AttnParams(0.1, 40, 8, 15.0, 0.2, 5), alibi_slopes=torch.rand(2, 6),
-                       cu_seqlens_q=torch.tensor([0, 200, 500], dtype=torch.int32),
-                       cu_seqlens_k=torch.tensor([0, 250, 600], dtype=torch.int32), max_seqlen_q=300,
-                       max_seqlen_k=350, dlse=torch.randn(6, 500, generator=g), learnable_sink=torch.randn(6, generator=g),
-                       dsink=torch.empty(6))))
+    lse, alibi = torch.randn(6, 500, generator=g), torch.rand(2, 6)
+    dlse, sink = torch.randn(6, 500, generator=g), torch.randn(6, generator=g)
+    for cap, form in ((15.0, "cheap"), (1e3, "precise")):  # the two forms of tanh (gpu._tuning.softcap_form)
+        cases.append((f"bwd varlen alibi softcap dropout dlse sink {form}",
+                      (dout, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+                      dict(params=AttnParams(0.1, 40, 8, cap, 0.2, 5), alibi_slopes=alibi,
+                           cu_seqlens_q=torch.tensor([0, 200, 500], dtype=torch.int32),
+                           cu_seqlens_k=torch.tensor([0, 250, 600], dtype=torch.int32), max_seqlen_q=300,
+                           max_seqlen_k=350, dlse=dlse, learnable_sink=sink, dsink=torch.empty(6))))
+    q, k, v, out, dout = (t(2, 300, 8, 128) for _ in range(5))  # Gemma 2's: causal, window, softcap
+    lse = torch.randn(2, 8, 300, generator=g)
+    for cap, form in ((50.0, "cheap"), (1e3, "precise")):
+        cases.append((f"bwd causal window softcap {form} bf16 d128",
+                      (dout, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+                      dict(params=AttnParams(128**-0.5, 64, 0, cap))))
     return cases
 
 

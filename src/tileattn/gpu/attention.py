@@ -41,7 +41,7 @@ from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       partials_workspace, plan_for)
-from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
+from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket, softcap_form
 from .hopper_fp8 import Fp8DecodePlan, hopper_fp8_decode_reason
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
 
@@ -376,7 +376,7 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
             None if learnable_sink is None else learnable_sink.dtype,
             None if k_descale is None else k_descale.dtype,
             max_seqlen_q, max_seqlen_k, num_splits,
-            params.window_left >= 0, params.window_right >= 0 and not one_query, params.softcap > 0,
+            params.window_left >= 0, params.window_right >= 0 and not one_query, softcap_form(q.dtype, params.softcap),
             params.dropout_p > 0, max(k.shape[-1], v.shape[-1]) > TAIL_ABOVE and _v_is_k(k, v))
 
 
@@ -397,7 +397,7 @@ class FwdPlan:
         (q_shape, q_stride, kv, o_stride, l_stride,
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
          alibi, cu_q, cu_k, seqused, table, sink, descale, max_seqlen_q, max_seqlen_k, num_splits,
-         mask_left, mask_right, has_softcap, has_dropout, v_is_k) = key
+         mask_left, mask_right, (has_softcap, precise_tanh), has_dropout, v_is_k) = key
         self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
         if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
             k_shape, v_shape = (kv[0], 0, *kv[1]), (kv[0], 0, *kv[2])
@@ -524,8 +524,8 @@ class FwdPlan:
                 "prefill" if not decode else "decode" if descale is None else "decode_fp8"],
             PACK_GQA=pack_gqa, SPLIT_KV=split_kv, IS_FP8=descale is not None,
             MASK_LEFT=mask_left, MASK_RIGHT=mask_right,
-            HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+            HAS_SOFTCAP=has_softcap, PRECISE_TANH=precise_tanh, HAS_ALIBI=alibi is not None,
+            HAS_DROPOUT=has_dropout, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
             V_IS_K=v_is_k, SINGLE_LOOP=wide, CHECK_CACHE=False, CHECK_BLOCK_P=128,  # the check: checking_launch
         )

@@ -14,7 +14,7 @@ import triton
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
 from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
-from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
+from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket, softcap_form
 from .hopper import call_reason
 from .hopper_bwd import HopperBwd, bwd_signature_reason, hopper_attn_bwd, hopper_bwd_reason
 
@@ -190,7 +190,7 @@ def _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_
            None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
            None if dlse is None else (dlse.stride(), dlse.dtype),
            None if learnable_sink is None else learnable_sink.dtype,
-           max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, params.softcap > 0,
+           max_seqlen_q, max_seqlen_k, params.window_left, params.window_right, softcap_form(q.dtype, params.softcap),
            params.dropout_p > 0, bool(deterministic), hopper)
     return plan_for(_PLANS, key, BwdPlan)
 
@@ -274,7 +274,7 @@ class BwdPlan:
     def __init__(self, key: tuple):
         (do_stride, q_shape, q_stride, k_shape, k_stride, head_dim_v, v_stride, o_stride, lse_shape, lse_stride,
          dq_stride, dk_stride, dv_stride, *dtypes, device, cu_q, cu_k, alibi, dlse, sink, max_seqlen_q, max_seqlen_k,
-         window_left, window_right, has_softcap, has_dropout, deterministic, self.hopper) = key
+         window_left, window_right, (has_softcap, precise_tanh), has_dropout, deterministic, self.hopper) = key
         self.deterministic = deterministic
         q_dtype = dtypes[0]
         varlen = cu_q is not None
@@ -323,7 +323,8 @@ class BwdPlan:
                      int_class(_attn_bwd_preprocess, _PRE_FIRST_INT, self.pre_ints)))
         self.meta = dict(GROUP=nheads // nheads_k, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
                          HEAD_DIM_V_PAD=head_dim_v_pad, IS_VARLEN=varlen,
-                         HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None, HAS_DROPOUT=has_dropout,
+                         HAS_SOFTCAP=has_softcap, PRECISE_TANH=precise_tanh, HAS_ALIBI=alibi is not None,
+                         HAS_DROPOUT=has_dropout,
                          MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
                          **dict(zip(("DOT_DTYPE", "DOT_PRECISION"), dot_types(q_dtype))))
         common = (*rows(q_stride), *rows(k_stride), *rows(v_stride), *rows(do_stride))

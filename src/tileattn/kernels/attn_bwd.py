@@ -86,7 +86,7 @@ def _attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_seqlens
 
 @triton.jit
 def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
-           lse2, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+           lse2, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr,
            MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr):
     """P = exp2(S2 - lse2) from raw dot products, and t: with softcap tanh(scale q.k / cap),
     whose square the softcap's derivative needs; without, ``qk`` itself (the callers then ignore it).
@@ -95,13 +95,13 @@ def _probs(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale, softcap, slope_log2, 
     only converts ``cap * t`` (natural units) to log2 units and adds ALiBi and the mask.
     """
     if HAS_SOFTCAP:
-        t = tanh(qk * (sm_scale / softcap))
+        t = tanh(qk * (sm_scale / softcap), PRECISE_TANH)
         s2 = scores_log2(t * softcap, q_pos, k_pos, seqlen_k, diag_off, LOG2E, softcap, slope_log2,
-                         window_left, window_right, False, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)
+                         window_left, window_right, False, False, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)
     else:
         t = qk
         s2 = scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, sm_scale * LOG2E, softcap, slope_log2,
-                         window_left, window_right, False, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)
+                         window_left, window_right, False, False, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)
     return tl.math.exp2(s2 - lse2), t
 
 
@@ -110,7 +110,8 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
                start_m, end_m, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the query blocks [start_m, end_m) of one query head to the key block's dk, dv.
 
@@ -139,7 +140,7 @@ def _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_
         qkT = tl.dot(b_k, b_qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         pT, tT = _probs(qkT, -offs_n, -offs_m, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                         window_left, window_right, b_lse2[None, :],
-                        HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, False)  # [BLOCK_N, BLOCK_M]
+                        HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, False)  # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
             keep = tl.trans(dropout_keep(seed, bh, offs_m + drop_r0, offs_n + drop_c0,
@@ -172,7 +173,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                           HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr,
+                          HAS_ALIBI: tl.constexpr,
                           HAS_DROPOUT: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dK, dV of keys [start_n, start_n + BLOCK_N) of key/value head ``hk`` of sequence ``b``."""
@@ -228,17 +230,20 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr,
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_lo, m_a, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, PRECISE_TANH,
+                            HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_a, m_b, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, PRECISE_TANH,
+                            HAS_ALIBI, HAS_DROPOUT,
                             False, False, DOT_DTYPE, DOT_PRECISION)
         dk, dv = _dkdv_walk(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
                             m_b, m_end, offs_n, seqlen_q, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                             window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
-                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_M, HAS_SOFTCAP, PRECISE_TANH,
+                            HAS_ALIBI, HAS_DROPOUT,
                             MASK_LEFT, MASK_RIGHT, DOT_DTYPE, DOT_PRECISION)
     dk = dk * sm_scale
     tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + k_rows * stride_dkn + tile_n * stride_dkn + offs_d[None, :],
@@ -252,7 +257,8 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
              start_n, end_n, offs_m, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
              window_left, window_right, seed, bh, threshold, keep_scale, drop_r0, drop_c0,
              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-             BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             HAS_DROPOUT: tl.constexpr,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr,
              DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the key blocks [start_n, end_n) to the query block's dq (before the final scale)."""
@@ -279,7 +285,7 @@ def _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_v
         qk = tl.dot(b_q, b_kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         p, t = _probs(qk, offs_m, offs_n, seqlen_k, diag_off, sm_scale, softcap, slope_log2,
                       window_left, window_right, b_lse2[:, None],
-                      HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)  # [BLOCK_M, BLOCK_N]
+                      HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI, MASK_LEFT, MASK_RIGHT, MASK_N)  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(b_do, b_vT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m + drop_r0, offs_n + drop_c0, threshold)  # [BLOCK_M, BLOCK_N]
@@ -306,7 +312,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                        IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr,
                         HAS_DROPOUT: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dQ of query rows [start_m, start_m + BLOCK_M) of query head ``h`` of sequence ``b``."""
@@ -361,15 +368,17 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_lo, n_a, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
                   seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
-                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
+                  HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE,
+                  DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_a, n_b, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
                   seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
-                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, False, False, DOT_DTYPE, DOT_PRECISION)
+                  HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI, HAS_DROPOUT, False, False, False, DOT_DTYPE, DOT_PRECISION)
     dq = _dq_walk(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, stride_kn, stride_vn, n_b, n_end, offs_m,
                   seqlen_k, diag_off, sm_scale, softcap, slope_log2, window_left, window_right,
                   seed, bh, threshold, keep_scale, drop_r0, drop_c0, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_N,
-                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE, DOT_PRECISION)
+                  HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT, True, DOT_DTYPE,
+                  DOT_PRECISION)
     dq = dq * sm_scale
     tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + q_rows * stride_dqm + tile_m * stride_dqm + offs_d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=mask_q)

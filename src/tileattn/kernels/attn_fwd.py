@@ -40,7 +40,8 @@ their own iteration and Triton's pipeliner stages them in shared memory), ``HAS_
 ``PACK_GQA`` (row r of a head group's tile is query ``r // GROUP`` of head ``hk * GROUP + r %
 GROUP``, so one program reads each K/V tile once for the whole group), ``SPLIT_KV``,
 ``MASK_LEFT`` / ``MASK_RIGHT`` (window bounds; causal is MASK_RIGHT with window_right 0),
-``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with
+``HAS_SOFTCAP`` (``PRECISE_TANH``: which of ``common.tanh``'s two forms the softcap takes),
+``HAS_ALIBI``, ``HAS_DROPOUT``, ``IS_FP8`` (K/V stored in float8_e4m3fn with
 descales ``KDescale``/``VDescale``, contiguous (batch, nheads_k) fp32, real = stored x descale:
 the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale and v's the
 output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
@@ -88,7 +89,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                     HEAD_DIM_TAIL: tl.constexpr, HEAD_DIM_TAIL_PAD: tl.constexpr, V_IS_K: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-                    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """Run the recurrence over key tiles ``tile_lo .. tile_hi - 1`` (tile indices).
@@ -145,7 +147,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
                 b_kt = tl.load(kt_ptrs)  # [BLOCK_N, HEAD_DIM_TAIL_PAD]
             qk = tl.dot(b_qt, tl.trans(b_kt.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
-                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI,
+                        window_left, window_right, HAS_SOFTCAP, PRECISE_TANH, HAS_ALIBI,
                         MASKED and MASK_LEFT, MASKED and MASK_RIGHT, MASKED)  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         m_use, alpha = online_rescale(m_i, m_new, MASKED)  # [BLOCK_M]; masked rows seeing nothing yet: 0
@@ -186,7 +188,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, IS_FP8: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
     V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, CHECK_CACHE: tl.constexpr = False,
@@ -348,23 +350,23 @@ def _attn_fwd_kernel(
             n_lo, full_lo, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_DTYPE, DOT_PRECISION)
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, PRECISE_TANH,
+            HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
     if not SINGLE_LOOP:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             full_lo, full_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_DTYPE, DOT_PRECISION)
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, PRECISE_TANH,
+            HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kb, stride_vb, stride_ks, stride_vs,
             full_hi, n_hi, q_pos, bh, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, drop_r0, drop_c0,
             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, HEAD_DIM_TAIL, HEAD_DIM_TAIL_PAD,
-            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_DTYPE, DOT_PRECISION)
+            V_IS_K, PAGE_SIZE, IS_PAGED, PREFETCH_PAGES, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, PRECISE_TANH,
+            HAS_ALIBI, HAS_DROPOUT, DOT_DTYPE, DOT_PRECISION)
 
     l_safe, lse = finish_rows(m_i, l_i)  # [BLOCK_M]: rows that saw no key get out 0, lse -inf
     if IS_FP8:

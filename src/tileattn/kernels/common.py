@@ -46,9 +46,30 @@ def finish_rows(m, l):
 
 
 @triton.jit
-def tanh(x):
-    """tanh through the sigmoid, exact enough for fp32 and supported by the interpreter."""
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+def tanh(x, PRECISE: tl.constexpr):
+    """tanh(x) in fp32, in one of two forms (ops the interpreter has too); the softcap multiplies
+    it by the cap, so the scores carry cap x its absolute error. The launchers pick the form per
+    call (``gpu._tuning.softcap_form``).
+
+    Cheap (``PRECISE`` False): ``2 sigmoid(2x) - 1``, ~3 ops. Absolute error up to 1.8e-7 over all
+    x (float32 with a correctly rounded exp: numpy, the interpreter), near 0 too, where tanh is
+    small: relative error unbounded there. On a GPU, whose exp (ex2.approx) and division
+    (div.full) are 2-ulp approximations, up to ~4.5e-7 by the same count.
+
+    Precise: below |x| = 1/4 its Taylor series to x^9 (the next term is under 1e-8 of tanh there),
+    above it 1 - 2 / (exp(2|x|) + 1), whose subtraction loses at most two bits at 1/4: a few fp32
+    ulps relative (4.5e-7 at most), absolute error under 1.3e-7 and ~x * 1e-7 near 0, so the
+    scores' error scales with the scores, not with the cap. ~10 more FMAs and two selects.
+    """
+    if PRECISE:
+        ax = tl.abs(x)
+        x2 = x * x
+        small = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+                                                                                     + x2 * 0.021869488536155203)))
+        big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)  # exp overflows to inf past |x| ~ 44: 1 exactly
+        return tl.where(ax < 0.25, small, tl.where(x < 0, -big, big))
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
@@ -71,15 +92,16 @@ def visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
 @triton.jit
 def scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                 window_left, window_right,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_N: tl.constexpr):
     """From the raw dot products ``qk`` [BLOCK_M, BLOCK_N] (fp32) to masked scores in log2 units.
 
-    With softcap, ``softcap`` is the cap and ``scale_log2`` is still ``scale * log2(e)``.
+    With softcap, ``softcap`` is the cap and ``scale_log2`` is still ``scale * log2(e)``; its tanh
+    takes the form ``PRECISE_TANH`` names (``tanh``).
     ``slope_log2`` is the ALiBi slope times log2(e) for this head.
     """
     if HAS_SOFTCAP:
-        s = tanh(qk * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
+        s = tanh(qk * (scale_log2 / (LOG2E * softcap)), PRECISE_TANH) * (softcap * LOG2E)
     else:
         s = qk * scale_log2
     if HAS_ALIBI:
