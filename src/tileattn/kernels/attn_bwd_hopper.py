@@ -224,6 +224,11 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
             stage = dq_stage.index(WG)  # [DQ_M, DQ_N] fp32
             mbarrier.wait(r_full.index(1 - WG), 0)  # the other warpgroup's k rows are read too
         mbarrier.wait(r_full.index(WG), 0)
+        if DQ_REDUCE and IS_VARLEN:
+            # the next packed sequence's k rows would give 0 x inf in dS K: zeroed, each warpgroup its own
+            # (the other's dQ products read them after the first dS^T tile's barrier, as they read its dS^T)
+            if row0 + ROWS > seqlen_r:
+                _zero_rows_from(a_tile, seqlen_r - row0, ROWS, HEAD_DIM)
         c = 0  # column tiles consumed so far
         for g in range(COL_PASSES):
             h_col = _col_head(h_row, g, GROUP, DKDV)
