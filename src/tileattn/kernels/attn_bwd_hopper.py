@@ -38,9 +38,13 @@ order, so the gradients are bitwise reproducible (docs/perf-notes.md has both me
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
 past a dense sequence's end reads zeros; a packed sequence's last column tile reads the next
-sequence's rows, which the consumers zero in shared memory before their products (the
-forward's ``_zero_rows_from``: masked columns have P = 0, but an inf or NaN there would make
-0 x inf = NaN in dP, dS and the products that read the tile). Columns past the end get
+sequence's rows. In dQ (k and v) the consumers zero them in shared memory before their products
+(the forward's ``_zero_rows_from``: masked columns have P = 0, but an inf in v would make
+0 x inf = NaN in dP and dS K), so inf or NaN values of the next sequence stay out, as in the
+forward. dK/dV's last tile (q, dO) and the dQ reductions' rows past the end (k) are read as they
+are: NaN q or k in the next sequence (uninitialised padding) reach this one's dK or dQ through
+0 x NaN. Zeroing those too (branch varlenzero2) cost 2-4 % of the packed backward on the H200
+(docs/perf-notes.md), so it is left out. Columns past the end get
 lse2 = +inf (P = 0, dK/dV) or are masked (dQ's last key tile, always in the masked range);
 rows past the end are computed and not stored.
 """
@@ -224,11 +228,6 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
             stage = dq_stage.index(WG)  # [DQ_M, DQ_N] fp32
             mbarrier.wait(r_full.index(1 - WG), 0)  # the other warpgroup's k rows are read too
         mbarrier.wait(r_full.index(WG), 0)
-        if DQ_REDUCE and IS_VARLEN:
-            # the next packed sequence's k rows would give 0 x inf in dS K: zeroed, each warpgroup its own
-            # (the other's dQ products read them after the first dS^T tile's barrier, as they read its dS^T)
-            if row0 + ROWS > seqlen_r:
-                _zero_rows_from(a_tile, seqlen_r - row0, ROWS, HEAD_DIM)
         c = 0  # column tiles consumed so far
         for g in range(COL_PASSES):
             h_col = _col_head(h_row, g, GROUP, DKDV)
@@ -240,18 +239,16 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                     c_vec = t * BLOCK_C + gl.arange(0, BLOCK_C, layout=vec_layout)  # [BLOCK_C]
                     lse2_c = gl.load(Lse2 + w_cols + c_vec, mask=c_vec < seqlen_c, other=float("inf"))
                     delta_c = gl.load(Delta + w_cols + c_vec, mask=c_vec < seqlen_c, other=0.0)
-                # a packed sequence's last column tile: its rows past the columns are the next sequence's
-                # (masked, P = 0, but 0 x inf = NaN in the products that read them): zeroed
+                # dQ: a packed sequence's last key tile holds the next sequence's k and v rows (masked, P = 0,
+                # but 0 x inf = NaN in dP and dS K): zeroed (module docstring)
                 mbarrier.wait(c_full.index(slot), phase)
                 c_tile = c_ring.index(slot).reshape([BLOCK_C, HEAD_DIM])
-                if IS_VARLEN:
+                if IS_VARLEN and not DKDV:
                     if (t + 1) * BLOCK_C > seqlen_c:
                         _zero_rows_from(c_tile, seqlen_c - t * BLOCK_C, BLOCK_C, HEAD_DIM)
                 x_tok = warpgroup_mma(a_tile, c_tile.permute((1, 0)), x_zero, use_acc=False, is_async=True)
                 mbarrier.wait(d_full.index(slot), phase)
                 d_tile = d_ring.index(slot).reshape([BLOCK_C, HEAD_DIM])
-                # dQ's D is v; dK/dV's is dO, left as read: the next sequence's dO is finite wherever its
-                # loss is (padding rows outside the loss get dO = 0), and zeroing it spilled more
                 if IS_VARLEN and not DKDV:
                     if (t + 1) * BLOCK_C > seqlen_c:
                         _zero_rows_from(d_tile, seqlen_c - t * BLOCK_C, BLOCK_C, HEAD_DIM)
