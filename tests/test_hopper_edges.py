@@ -127,9 +127,10 @@ def test_out_view_with_heads_past_int32(head_dim):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_varlen_backward_next_sequence_non_finite_values_stay_out(deterministic):
     """The backward's sibling of the forward case above: dQ's last key tile of sequence 0 covers
-    sequence 1's first keys, masked (P = 0) but dP = dO V^T reads their V rows: 0 x inf = NaN in
-    dS. Sequence 0's gradients must be finite and match the reference (run on the forward's own
-    output, through the public varlen call)."""
+    sequence 1's first keys, masked (P = 0) but dP = dO V^T reads their V rows: 0 x inf = NaN.
+    Sequence 0's gradients must be finite and match the reference (run on the forward's own
+    output, through the public varlen call). NaN q or k in the next sequence are not covered
+    (kernels/attn_bwd_hopper.py)."""
     gen = torch.Generator().manual_seed(53)
     nheads, head_dim = 4, 128
     cu = torch.tensor([0, 1200, 1500], dtype=torch.int32, device="cuda")  # 1200 rows: the dQ reductions too

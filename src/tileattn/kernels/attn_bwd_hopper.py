@@ -37,9 +37,16 @@ products in all): every gradient element is written once, by one program summing
 order, so the gradients are bitwise reproducible (docs/perf-notes.md has both measured).
 
 Out-of-range rows and columns: descriptors are 4-D over (batch, seqlen, heads, dim), so a tile
-past a dense sequence's end reads zeros (packed sequences read the next one's rows); columns
-past the end get lse2 = +inf (P = 0, dK/dV) or are masked (dQ's last key tile, always in the
-masked range); rows past the end are computed and not stored.
+past a dense sequence's end reads zeros; a packed sequence's last column tile reads the next
+sequence's rows. In dQ (k and v) the consumers zero them in shared memory before their products
+(the forward's ``_zero_rows_from``: masked columns have P = 0, but an inf in v would make
+0 x inf = NaN in dP and dS K), so inf or NaN values of the next sequence stay out, as in the
+forward. dK/dV's last tile (q, dO) and the dQ reductions' rows past the end (k) are read as they
+are: NaN q or k in the next sequence (uninitialised padding) reach this one's dK or dQ through
+0 x NaN. Zeroing those too (branch varlenzero2) cost 2-4 % of the packed backward on the H200
+(docs/perf-notes.md), so it is left out. Columns past the end get
+lse2 = +inf (P = 0, dK/dV) or are masked (dQ's last key tile, always in the masked range);
+rows past the end are computed and not stored.
 """
 
 from triton.experimental import gluon
@@ -48,7 +55,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask
+from .attn_fwd_hopper import _sequence, _tile_range, _visible_mask, _zero_rows_from
 
 
 @builtin
@@ -232,11 +239,19 @@ def _consumer(WG: gl.constexpr, a_smem, b_smem, c_ring, d_ring, bars, dq_bufs, d
                     c_vec = t * BLOCK_C + gl.arange(0, BLOCK_C, layout=vec_layout)  # [BLOCK_C]
                     lse2_c = gl.load(Lse2 + w_cols + c_vec, mask=c_vec < seqlen_c, other=float("inf"))
                     delta_c = gl.load(Delta + w_cols + c_vec, mask=c_vec < seqlen_c, other=0.0)
+                # dQ: a packed sequence's last key tile holds the next sequence's k and v rows (masked, P = 0,
+                # but 0 x inf = NaN in dP and dS K): zeroed (module docstring)
                 mbarrier.wait(c_full.index(slot), phase)
                 c_tile = c_ring.index(slot).reshape([BLOCK_C, HEAD_DIM])
+                if IS_VARLEN and not DKDV:
+                    if (t + 1) * BLOCK_C > seqlen_c:
+                        _zero_rows_from(c_tile, seqlen_c - t * BLOCK_C, BLOCK_C, HEAD_DIM)
                 x_tok = warpgroup_mma(a_tile, c_tile.permute((1, 0)), x_zero, use_acc=False, is_async=True)
                 mbarrier.wait(d_full.index(slot), phase)
                 d_tile = d_ring.index(slot).reshape([BLOCK_C, HEAD_DIM])
+                if IS_VARLEN and not DKDV:
+                    if (t + 1) * BLOCK_C > seqlen_c:
+                        _zero_rows_from(d_tile, seqlen_c - t * BLOCK_C, BLOCK_C, HEAD_DIM)
                 y_tok = warpgroup_mma(b_tile, d_tile.permute((1, 0)), x_zero, use_acc=False, is_async=True)
                 x = warpgroup_mma_wait(num_outstanding=1, deps=(x_tok,))  # [ROWS, BLOCK_C] Y still running
                 if (t < full_lo) | (t >= full_hi):  # a boundary tile (uniform branch)

@@ -399,8 +399,10 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bar
                 # P V product and epilogue
                 mbarrier.arrive(q_empty.index(qb + WG), count=1)
             v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
-            if PAGE > 0:
-                if n_hi * BLOCK_N > seqlen_k:  # the sequence's last tile: its page's rows past the keys
+            if PAGE > 0 or IS_VARLEN:
+                # the sequence's last tile: its rows past the keys are a page's other slots or the next
+                # packed sequence's keys, whose P is 0 but whose V may hold inf or NaN (0 x inf = NaN)
+                if n_hi * BLOCK_N > seqlen_k:
                     _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             o = warpgroup_mma(p_op, v_tile, o)
