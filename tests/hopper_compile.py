@@ -12,6 +12,9 @@ Each line also gives the registers per thread and the local-memory stack (regist
 that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent. The
 forward's wide tile (head dims above 256, MLA's absorbed decoding) was chosen as the largest that
 compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here.
+Each split decode launch whose plan has a merged form (``FwdPlan.merged``, the eager lane's: its
+last split programs merge the splits, ``MERGE_SPLITS``) is compiled in that form too, with and
+without the folded cache check; a merged variant that spills where the plain one does not fails.
 
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
@@ -38,6 +41,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import checks as check_launcher  # noqa: E402
+from tileattn.gpu import combine as combine_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
@@ -188,6 +192,15 @@ def forward_cases():
                       t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
                       dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
                            max_seqlen_q=2, max_seqlen_k=512, num_splits=splits, learnable_sink=sink)))
+    # the decoding step docs/perf-notes.md times on the H200 (batch 1, GQA 32/8, hdim 128, 8k keys),
+    # with the split counts the rule gives there: 16 (contiguous, one wave), 33 (blocks of 16, two)
+    for page, splits in ((0, 16), (16, 33)):
+        cache = t(512, 16, 8, 128) if page else t(1, 8192, 8, 128)
+        paged = dict(block_table=torch.arange(512, dtype=torch.int32).view(1, 512)) if page else {}
+        cases.append((f"decode 8k GQA 32/8 {'paged 16' if page else 'contiguous'} {splits} splits", t(1, 1, 32, 128),
+                      cache, cache.clone(), dict(params=AttnParams(128**-0.5, -1, 0), max_seqlen_q=1,
+                                                 seqused_k=torch.tensor([8000], dtype=torch.int32),
+                                                 max_seqlen_k=8192, num_splits=splits, **paged)))
     # serving: a mixed batch over a paged pool in one call (decode tile split, prefill tile not,
     # the combine skipping the long rows), and an FP8 pool
     pool = t(64, 16, 8, 128)
@@ -306,20 +319,22 @@ def record(fn, *args, **kwargs):
     """The launches ``fn(*args, **kwargs)`` makes; a backward dK/dV or dQ launch once per tile
     config it could get (the forward's prefill launches are expanded by ``forward_variants``)."""
     launches = []
-    names = {fwd_launcher: ("_attn_fwd_kernel", "_combine_kernel"),
+    names = {fwd_launcher: ("_attn_fwd_kernel",), combine_launcher: ("_combine_kernel",),
              bwd_launcher: ("_attn_bwd_preprocess", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
              append_launcher: ("_append_kv_kernel",)}
     originals = {(module, name): getattr(module, name) for module, group in names.items() for name in group}
+    plan_caches = (fwd_launcher, bwd_launcher, append_launcher)
     try:
         for (module, name), kernel in originals.items():
             setattr(module, name, Recorder(kernel, launches))
-        for module in names:  # plans made now launch the recorders
+        for module in plan_caches:  # plans made now launch the recorders
             module.clear_plans()
         fn(*args, **kwargs)
+        launches += merged_launches(launches)
     finally:
         for (module, name), kernel in originals.items():
             setattr(module, name, kernel)
-        for module in names:
+        for module in plan_caches:
             module.clear_plans()
     expanded = []
     for kernel, args, meta in launches:
@@ -333,6 +348,24 @@ def record(fn, *args, **kwargs):
             expanded.append((kernel, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
                                             "num_stages": cfg.num_stages}))
     return expanded
+
+
+def merged_launches(launches) -> list:
+    """The merged form (``FwdPlan.merged``) of each recorded split launch whose plan has one: the same
+    arguments with the outputs (their dtypes, as the plan's merged signature names them) and the
+    counters in the merged launch's places, its constexprs and options."""
+    merged = []
+    for plan in fwd_launcher._PLANS.values():
+        if plan.merged is None:
+            continue
+        o_dtype, l_dtype = plan._merged_signature[0][5:7]
+        unmerged = {**plan.fwd.constexprs, **plan.fwd.options}
+        for fn, args, kwargs in launches:
+            if kwargs == unmerged:
+                outputs = (torch.empty(16, dtype=o_dtype), torch.empty(16, dtype=l_dtype), torch.zeros(16, dtype=torch.int32))
+                merged.append((fn, (*args[:5], *outputs, *args[8:]), {**plan.merged.constexprs, **plan.merged.options}))
+                break
+    return merged
 
 
 def forward_variants(launches, q):
@@ -366,7 +399,7 @@ def wide(meta) -> bool:
 
 def must_not_spill(fn, meta) -> bool:
     """The wide tile's 16-bit variants and the combines after them: chosen to compile without spills."""
-    if fn is fwd_launcher._combine_kernel:
+    if fn is combine_launcher._combine_kernel:
         return meta["HEAD_DIM_PAD"] > fwd_launcher.TAIL_ABOVE
     return fn is fwd_launcher._attn_fwd_kernel and wide(meta) and meta["DOT_DTYPE"] != triton.language.float32
 
@@ -590,8 +623,8 @@ def main() -> int:
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
-        todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
-                                                                         **kwargs), q)]
+        todo += [(name + (" merged" if variant[2].get("MERGE_SPLITS") else ""), *variant)
+                 for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse, **kwargs), q)]
     todo += [(name + " checked", *launch) for name, *launch in checked_variants(todo)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
@@ -623,6 +656,9 @@ def main() -> int:
                 verdict = f"FAIL the wide tile spills ({usage})"
             elif kwargs.get("CHECK_CACHE") and stack and not plain_stack.get((name[:-len(" checked")], str(tile))):
                 verdict = f"FAIL the folded cache check spills ({usage})"  # where the launch without it does not
+            elif (kwargs.get("MERGE_SPLITS") and not kwargs.get("CHECK_CACHE") and stack
+                  and not plain_stack.get((name[:-len(" merged")], str(tile)))):
+                verdict = f"FAIL the merged splits spill ({usage})"  # where the launch without the merge does not
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail

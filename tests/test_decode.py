@@ -383,3 +383,142 @@ def test_append_on_the_host_equals_the_device_indexing(monkeypatch, layout):
     for a, b in zip(*caches):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     assert (~caches[0][0].isnan()).sum() == k.numel()
+
+
+# ------------------------------------------------------------------ the eager lane merges its splits in its launch
+
+
+def _count_launches(monkeypatch) -> list:
+    """A list that grows by each forward or combine launch's ``MERGE_SPLITS`` (False for the combine)."""
+    from tileattn.gpu import _launch
+
+    seen, call = [], _launch.Launch.__call__
+    monkeypatch.setattr(_launch.Launch, "__call__",
+                        lambda self, *args: seen.append(self.constexprs.get("MERGE_SPLITS", False)) or call(self, *args))
+    return seen
+
+
+def _no_counter_left():
+    from tileattn.gpu import combine
+
+    return combine._COUNTERS and not any(c.any() for c in combine._COUNTERS.values())
+
+
+@pytest.mark.parametrize("num_splits", [3, 16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink, num_splits):
+    """A kept signature's split call (the ops layer's lane, ``PreparedFwd``) is one launch: its last
+    split programs merge the splits (``MERGE_SPLITS``), bit for bit what the first call's attention and
+    combine launches gave, within the tolerance rule of the float64 reference: sequences of 400, 130,
+    2 and 0 keys over 4 key tiles (16 splits: 12 or more empty for every row; 3 splits: the 130 keys'
+    third empty), 3 causal queries each (2 keys: the first query sees none; 0 keys: none does, out 0
+    and lse -inf, or the sink's lse), GQA 4, head dim 40, a contiguous cache (slots past the lengths
+    NaN) or a permuted pool of pages, sinks or not; outputs and workspace poisoned (conftest); the
+    arrival counters all zero after each call."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(40 + num_splits)
+    lens, d, dtype = [400, 130, 2, 0], 40, torch.bfloat16
+    q = torch.randn(4, 3, 8, d, generator=gen).to(dtype)
+    k, v = (torch.randn(4, 400, 2, d, generator=gen).to(dtype) for _ in "kv")
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = float("nan"), float("nan")
+    table = random_table(4, 400, 16, 110, gen) if paged else None
+    k_cache, v_cache = (paged_copy(x, table, 16, 110) for x in (k, v)) if paged else (k, v)
+    sinks = torch.randn(8, generator=gen) * 2 if sink else None
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                                block_table=table, causal=True, num_splits=num_splits,
+                                                learnable_sink=sinks, return_softmax_lse=True)
+
+    launches = _count_launches(monkeypatch)
+    two = call()  # the signature's first call: attention, then the combine
+    assert launches == [False, False]
+    for _ in range(2):  # the lane, twice on the same counters
+        launches.clear()
+        out, lse = call()
+        assert launches == [True] and _no_counter_left()
+        assert torch.equal(out, two[0]) and torch.equal(lse, two[1])
+    for b, n in enumerate(lens):
+        ref_o, ref_l = R.attention_naive(q[b:b + 1].double().numpy(), k[b:b + 1, :n].double().numpy(),
+                                         v[b:b + 1, :n].double().numpy(), causal=True,
+                                         learnable_sink=None if sinks is None else sinks.double().numpy())
+        plain_o, plain_l = plain_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True,
+                                           learnable_sink=sinks)
+        assert_within(f"sequence {b} out", out[b:b + 1], plain_o, ref_o)
+        assert_within(f"sequence {b} lse", lse[b:b + 1], plain_l, ref_l)
+    no_key = torch.cat([out[3], out[2, :1]])  # rows that see no key: out 0 (a sink has no value)
+    assert torch.equal(no_key, torch.zeros_like(no_key))
+
+
+def test_the_merge_reads_more_splits_than_one_block(monkeypatch):
+    """More splits than the merge reads at once (``COMBINE_MAX_BLOCK_S`` + 13, key tiles for 9 more):
+    a later block raises the running maximum and the last 3 splits are empty; the lane's merged
+    launch equals the attention and combine launches bit for bit."""
+    from tileattn.gpu import attention, combine
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(45)
+    splits, keys = combine.COMBINE_MAX_BLOCK_S + 13, (combine.COMBINE_MAX_BLOCK_S + 9) * attention.DECODE_BLOCK_N + 7
+    q = torch.randn(1, 1, 4, 32, generator=gen)
+    k_cache, v_cache = (torch.randn(1, keys, 2, 32, generator=gen) * 3 for _ in "kv")
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([keys], dtype=torch.int32),
+                                                num_splits=splits, return_softmax_lse=True)
+
+    launches = _count_launches(monkeypatch)
+    two = call()
+    launches.clear()
+    one = call()
+    assert launches == [True] and _no_counter_left()
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    ref_o, ref_l = R.attention_naive(q.double().numpy(), k_cache.double().numpy(), v_cache.double().numpy())
+    assert_within("out", one[0], plain_attention(q, k_cache, v_cache)[0], ref_o)
+
+
+def test_the_merge_rule(monkeypatch):
+    """``gpu.combine.eager_counters``, the one rule: a cached zeroed buffer per (device, stream),
+    grown when a grid outgrows it, another stream's its own; none while the stream captures a CUDA
+    graph, none with ``EAGER_MERGE`` off or for a plan without a merged launch (two launches)."""
+    from types import SimpleNamespace
+
+    from tileattn.gpu import _launch, combine
+
+    monkeypatch.setattr(combine, "_COUNTERS", {})
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: stream[0])
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
+    plan = SimpleNamespace(merged=object(), device_index=0, device="cpu", grid=(5, 3, 1))
+    first = combine.eager_counters(plan)
+    assert first.dtype == torch.int32 and first.numel() >= 5 and not first.any()
+    assert combine.eager_counters(plan) is first
+    stream[0] = 8
+    other = combine.eager_counters(plan)
+    assert other is not first and other.data_ptr() != first.data_ptr()
+    plan.grid = (40, 3, 1)
+    assert combine.eager_counters(plan).numel() >= 40
+    capturing[0] = True
+    assert combine.eager_counters(plan) is None
+    capturing[0] = False
+    monkeypatch.setattr(combine, "EAGER_MERGE", False)
+    assert combine.eager_counters(plan) is None
+    monkeypatch.setattr(combine, "EAGER_MERGE", True)
+    plan.merged = None
+    assert combine.eager_counters(plan) is None
+
+
+def test_eager_merge_off_keeps_two_launches(monkeypatch):
+    """``EAGER_MERGE = False`` (the A/B switch): the lane launches attention and combine again."""
+    from tileattn.gpu import combine
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    monkeypatch.setattr(combine, "EAGER_MERGE", False)
+    gen = torch.Generator().manual_seed(46)
+    q, cache = torch.randn(1, 1, 4, 16, generator=gen), torch.randn(1, 300, 2, 16, generator=gen)
+    launches = _count_launches(monkeypatch)
+    for _ in range(2):
+        tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([300], dtype=torch.int32),
+                                         num_splits=3)
+    assert launches == [False] * 4

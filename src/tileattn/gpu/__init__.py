@@ -9,7 +9,8 @@ Implements the contract of ``tileattn.contract``: ``attn_fwd`` and ``attn_bwd``;
 prefix); ``merge_parts``, one launch merging partial states (``tileattn.contract``).
 """
 
-from .attention import attn_fwd, merge_parts, plan_fwd, plan_partials
+from .attention import attn_fwd, plan_fwd, plan_partials
+from .combine import merge_parts
 from .backward import attn_bwd, prepare_bwd
 from .kvcache import append_kv
 from .prepared import prepare_fwd
