@@ -15,7 +15,8 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
 device-side value check's launch and assertion, or the forward kernel's own check where the
-call folds it in, the append, the launcher), with the kernel launches it makes, for the same
+call folds it in, the append, the launcher: a split call's forward launch merging its splits
+itself, ``gpu.combine``), with the kernel launches it makes, for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
 split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
@@ -65,6 +66,7 @@ import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
 import tileattn.gpu.backward as B  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
+import tileattn.gpu.combine as CB  # noqa: E402
 import tileattn.gpu.hopper as HP  # noqa: E402
 import tileattn.gpu.hopper_bwd as HB  # noqa: E402
 import tileattn.kernels.attn_bwd_hopper as KB  # noqa: E402
@@ -279,14 +281,15 @@ def main():
     L._current_stream = lambda device: 0
     os.environ["TILEATTN_AUTOTUNE"] = "0"  # one config: nothing to time on a stand-in kernel
     real = A._attn_fwd_kernel
-    A._attn_fwd_kernel, A._combine_kernel = _Kernels(real), _Kernels(A._combine_kernel)
+    A._attn_fwd_kernel, CB._combine_kernel = _Kernels(real), _Kernels(CB._combine_kernel)
     params = AttnParams(128**-0.5)
     print(f"{'case':24s} {'triton launch':>14s} {'direct launch':>14s} {'attn_fwd':>10s}   (µs per call, median)")
     for name, tensors, opts in cases():
         A.clear_plans()
         A.attn_fwd(*tensors, params=params, **opts)
         plan = next(iter(A._PLANS.values()))
-        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None, None,  # alibi, sink, cu_seqlens
+        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None,  # merged out, lse, counters
+                    None, None, None, None,  # alibi, sink, cu_seqlens
                     opts.get("seqused_k"), None, None, None, *plan.ints, 0.1, 0.0, -1, -1, 0,  # table, descales
                     *params.dropout_offsets(tensors[0].shape[-2]), 0, 0, 1.0)  # dropout's counters, seed, threshold
         meta = {**plan.fwd.constexprs, **plan.fwd.options}

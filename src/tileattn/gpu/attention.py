@@ -527,6 +527,7 @@ class FwdPlan:
             DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
             V_IS_K=v_is_k, SINGLE_LOOP=wide, CHECK_CACHE=False, CHECK_BLOCK_P=128,  # the check: checking_launch
+            MERGE_SPLITS=False, MERGE_ROWS=1, MERGE_BLOCK_S=1,  # the merge: merged
         )
         self.flags = flags
 
