@@ -388,20 +388,34 @@ def test_append_on_the_host_equals_the_device_indexing(monkeypatch, layout):
 # ------------------------------------------------------------------ the eager lane merges its splits in its launch
 
 
+def _lane_device(monkeypatch) -> str:
+    """The Triton kernels' device: CUDA where there is a GPU, else CPU tensors in the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    return "cpu"
+
+
 def _count_launches(monkeypatch) -> list:
     """A list that grows by each forward or combine launch's ``MERGE_SPLITS`` (False for the combine)."""
     from tileattn.gpu import _launch
 
     seen, call = [], _launch.Launch.__call__
-    monkeypatch.setattr(_launch.Launch, "__call__",
-                        lambda self, *args: seen.append(self.constexprs.get("MERGE_SPLITS", False)) or call(self, *args))
+
+    def counted(self, *args):
+        if "MERGE_SPLITS" in self.constexprs or "SKIP_MARKED" in self.constexprs:
+            seen.append(self.constexprs.get("MERGE_SPLITS", False))
+        return call(self, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
     return seen
 
 
-def _no_counter_left():
+def _no_counter_left() -> bool:
+    """Whether some (device, stream) has arrival counters and all of them are zero (after a sync)."""
     from tileattn.gpu import combine
 
-    return combine._COUNTERS and not any(c.any() for c in combine._COUNTERS.values())
+    return bool(combine._COUNTERS) and not any(c.any() for c in combine._COUNTERS.values())
 
 
 @pytest.mark.parametrize("num_splits", [3, 16])
@@ -416,7 +430,7 @@ def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink
     and lse -inf, or the sink's lse), GQA 4, head dim 40, a contiguous cache (slots past the lengths
     NaN) or a permuted pool of pages, sinks or not; outputs and workspace poisoned (conftest); the
     arrival counters all zero after each call."""
-    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    dev = _lane_device(monkeypatch)
     gen = torch.Generator().manual_seed(40 + num_splits)
     lens, d, dtype = [400, 130, 2, 0], 40, torch.bfloat16
     q = torch.randn(4, 3, 8, d, generator=gen).to(dtype)
@@ -426,11 +440,12 @@ def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink
     table = random_table(4, 400, 16, 110, gen) if paged else None
     k_cache, v_cache = (paged_copy(x, table, 16, 110) for x in (k, v)) if paged else (k, v)
     sinks = torch.randn(8, generator=gen) * 2 if sink else None
+    args = [None if x is None else x.to(dev) for x in (q, k_cache, v_cache, table, sinks,
+                                                         torch.tensor(lens, dtype=torch.int32))]
 
     def call():
-        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
-                                                block_table=table, causal=True, num_splits=num_splits,
-                                                learnable_sink=sinks, return_softmax_lse=True)
+        return tileattn.flash_attn_with_kvcache(*args[:3], cache_seqlens=args[5], block_table=args[3], causal=True,
+                                                num_splits=num_splits, learnable_sink=args[4], return_softmax_lse=True)
 
     launches = _count_launches(monkeypatch)
     two = call()  # the signature's first call: attention, then the combine
@@ -440,6 +455,7 @@ def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink
         out, lse = call()
         assert launches == [True] and _no_counter_left()
         assert torch.equal(out, two[0]) and torch.equal(lse, two[1])
+    out, lse = out.cpu(), lse.cpu()
     for b, n in enumerate(lens):
         ref_o, ref_l = R.attention_naive(q[b:b + 1].double().numpy(), k[b:b + 1, :n].double().numpy(),
                                          v[b:b + 1, :n].double().numpy(), causal=True,
@@ -458,14 +474,15 @@ def test_the_merge_reads_more_splits_than_one_block(monkeypatch):
     launch equals the attention and combine launches bit for bit."""
     from tileattn.gpu import attention, combine
 
-    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    dev = _lane_device(monkeypatch)
     gen = torch.Generator().manual_seed(45)
     splits, keys = combine.COMBINE_MAX_BLOCK_S + 13, (combine.COMBINE_MAX_BLOCK_S + 9) * attention.DECODE_BLOCK_N + 7
     q = torch.randn(1, 1, 4, 32, generator=gen)
     k_cache, v_cache = (torch.randn(1, keys, 2, 32, generator=gen) * 3 for _ in "kv")
+    lens = torch.tensor([keys], dtype=torch.int32, device=dev)
 
     def call():
-        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([keys], dtype=torch.int32),
+        return tileattn.flash_attn_with_kvcache(q.to(dev), k_cache.to(dev), v_cache.to(dev), cache_seqlens=lens,
                                                 num_splits=splits, return_softmax_lse=True)
 
     launches = _count_launches(monkeypatch)
@@ -475,7 +492,7 @@ def test_the_merge_reads_more_splits_than_one_block(monkeypatch):
     assert launches == [True] and _no_counter_left()
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     ref_o, ref_l = R.attention_naive(q.double().numpy(), k_cache.double().numpy(), v_cache.double().numpy())
-    assert_within("out", one[0], plain_attention(q, k_cache, v_cache)[0], ref_o)
+    assert_within("out", one[0].cpu(), plain_attention(q, k_cache, v_cache)[0], ref_o)
 
 
 def test_the_merge_rule(monkeypatch):
@@ -513,12 +530,111 @@ def test_eager_merge_off_keeps_two_launches(monkeypatch):
     """``EAGER_MERGE = False`` (the A/B switch): the lane launches attention and combine again."""
     from tileattn.gpu import combine
 
-    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    dev = _lane_device(monkeypatch)
     monkeypatch.setattr(combine, "EAGER_MERGE", False)
     gen = torch.Generator().manual_seed(46)
-    q, cache = torch.randn(1, 1, 4, 16, generator=gen), torch.randn(1, 300, 2, 16, generator=gen)
+    q, cache = torch.randn(1, 1, 4, 16, generator=gen).to(dev), torch.randn(1, 300, 2, 16, generator=gen).to(dev)
     launches = _count_launches(monkeypatch)
     for _ in range(2):
-        tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([300], dtype=torch.int32),
+        tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([300], dtype=torch.int32, device=dev),
                                          num_splits=3)
     assert launches == [False] * 4
+
+
+def _merged_launches() -> int:
+    """Launches of a merging forward kernel (``MERGE_SPLITS``) so far through the fast path (a
+    variant's first launch goes through Triton's path, which ``fast_calls`` does not count)."""
+    from tileattn.gpu import _launch
+
+    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get("MERGE_SPLITS"))
+
+
+def _h200_step(gen, page: int, sink: bool):
+    """q, k_cache, v_cache, block table, lengths and sinks of docs/perf-notes.md's decoding step:
+    batch 1, GQA 32/8, hdim 128, bf16, 8k keys (8000 in use), contiguous or paged (a permuted pool)."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    if page:
+        blocks = 8192 // page
+        k_cache, v_cache = rand(blocks + 7, page, 8, 128), rand(blocks + 7, page, 8, 128)
+        table = torch.randperm(blocks + 7, device="cuda", generator=gen)[:blocks].view(1, blocks).to(torch.int32)
+    else:
+        k_cache, v_cache, table = rand(1, 8192, 8, 128), rand(1, 8192, 8, 128), None
+    sinks = torch.randn(32, device="cuda", generator=gen) if sink else None
+    return rand(1, 1, 32, 128), k_cache, v_cache, table, torch.tensor([8000], dtype=torch.int32, device="cuda"), sinks
+
+
+_MERGE_LAYOUTS = {"contiguous": (0, False), "paged 16": (16, False), "paged 16, sinks": (16, True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_MERGE_LAYOUTS))
+def test_the_merged_eager_call_equals_the_captured_two_launches(layout):
+    """The eager lane call of a split decoding step (one launch: the cache check folded in and the
+    splits merged by the last split programs) against the same call captured in a CUDA graph (no
+    merge while capturing: attention, then the combine) and replayed: bit for bit; the stream's
+    arrival counters all zero after the eager calls."""
+    q, k_cache, v_cache, table, lens, sinks = _h200_step(torch.Generator(device="cuda").manual_seed(95),
+                                                        *_MERGE_LAYOUTS[layout])
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                learnable_sink=sinks, return_softmax_lse=True)
+
+    call()  # the signature's first call: attention and combine
+    call()  # the lane's first: its merged kernel compiled through Triton's path
+    before = _merged_launches()
+    eager = call()
+    assert _merged_launches() == before + 1, "the eager split call did not merge in its launch"
+    torch.cuda.synchronize()
+    assert _no_counter_left()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = _merged_launches()
+    with torch.cuda.graph(graph):
+        captured = call()
+    assert _merged_launches() == before, "a captured call merged in its launch"
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.gpu
+def test_merged_eager_calls_on_two_streams_at_once():
+    """Two streams making merged eager calls at once (four calls each per round, issued in turn, 100
+    rounds; a contiguous and a paged step): each stream counts on a buffer of its own, and every
+    result equals its call made alone; all counters zero at the end."""
+    from tileattn.gpu import combine
+
+    gen = torch.Generator(device="cuda").manual_seed(96)
+    steps = [_h200_step(gen, 0, False), _h200_step(gen, 16, True)]
+
+    def call(q, k_cache, v_cache, table, lens, sinks):
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                learnable_sink=sinks, return_softmax_lse=True)
+
+    alone = [[call(*step) for _ in range(3)][-1] for step in steps]  # the last: the lane's, merged
+    main, streams = torch.cuda.current_stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(100):
+        for stream in streams:
+            stream.wait_stream(main)
+        results = [[], []]
+        for _ in range(4):
+            for stream, step, got in zip(streams, steps, results):
+                with torch.cuda.stream(stream):
+                    got.append(call(*step))
+        for stream in streams:
+            main.wait_stream(stream)
+        torch.cuda.synchronize()
+        for got, (out, lse) in zip(results, alone):
+            assert all(torch.equal(o, out) and torch.equal(l, lse) for o, l in got)
+    raw = {stream.cuda_stream for stream in streams}
+    assert len([key for key in combine._COUNTERS if isinstance(key, tuple) and key[1] in raw]) == 2
+    assert _no_counter_left()

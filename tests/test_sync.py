@@ -274,7 +274,8 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     for the device (and would report the failed assertion there, inside the call). The call after
     it takes the signature's lane: without left pads the forward kernel asserts itself (its
     ``CHECK_CACHE``, no separate check launched; the script prints which kernel checked), with
-    them the check kernel does."""
+    them the check kernel does. A split lane's kernel is the merged one (``MERGE_SPLITS``: one
+    launch for the call; the script prints whether the checking launch merged)."""
     import os
     import subprocess
     import sys
@@ -286,15 +287,17 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
         f"tileattn.flash_attn_with_kvcache({good})\n"  # the lane's first call: its kernels loaded too
         "torch.cuda.synchronize()\n"
         "from tileattn.gpu import _launch, checks\n"
-        "def launched(table, fold):\n"
-        "    return sum(l.fast_calls for l in table.values() if fold is None or l.constexprs.get('CHECK_CACHE') == fold)\n"
-        "before = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
+        "def launched(table, fold, merge=None):\n"
+        "    return sum(l.fast_calls for l in table.values() if (fold is None or l.constexprs.get('CHECK_CACHE') == fold)\n"
+        "               and (merge is None or l.constexprs.get('MERGE_SPLITS') == merge))\n"
+        "before = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True), launched(_launch._LAUNCHES, True, True)\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
         f"tileattn.flash_attn_with_kvcache({bad})\n"
-        "after = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
+        "after = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True), launched(_launch._LAUNCHES, True, True)\n"
         "fwd, check = after[1] > before[1], after[0] > before[0]\n"
         "print('CHECKED BY', 'the forward kernel' if fwd and not check else 'the check kernel' if check and not fwd\n"
         "      else 'both or neither', flush=True)\n"
+        "print('MERGED', 'yes' if after[2] > before[2] else 'no', flush=True)\n"
         "torch.cuda.set_sync_debug_mode('default')\n"
         "print('CALL RETURNED', flush=True)\n"
         "torch.cuda.synchronize()\n"
@@ -307,6 +310,8 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     assert "tileattn: a KV cache's lengths" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
     checker = "the check kernel" if case == "leftpad" else "the forward kernel"
     assert f"CHECKED BY {checker}" in done.stdout, done.stdout
+    if case.endswith(", split"):  # the H200's rule splits 8k keys of 8 KV heads: the merged kernel checked
+        assert "MERGED yes" in done.stdout, done.stdout
 
 
 # ------------------------------------------------------------------ the check folded into the decoding launch
@@ -329,6 +334,7 @@ def asserting_interpreter(monkeypatch):
     them as on a GPU (``kernel_asserts``)."""
     from triton.runtime import interpreter
 
+    from tileattn.gpu import combine
     from tileattn.gpu._tuning import interpreting
     from tileattn.ops import _validate
 
@@ -337,6 +343,9 @@ def asserting_interpreter(monkeypatch):
     monkeypatch.setattr(interpreter.interpreter_builder, "options",
                         interpreter.InterpreterOptions(debug=True, sanitize_overflow=False))
     monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)
+    # a merged launch that fails part-way leaves its arrival counters counted (on a GPU the context
+    # goes with them): this test's own, so that later tests find the cached ones at zero
+    monkeypatch.setattr(combine, "_COUNTERS", {})
 
 
 def _count_check_launches(monkeypatch) -> list:
@@ -367,7 +376,13 @@ def test_the_decoding_lane_checks_the_cache_in_its_own_kernel(device_checks, ass
 
     first = call([5, 12])  # the signature's first call: the separate check, then the lane is prepared
     checks = _count_check_launches(monkeypatch)
+    from tileattn.gpu import _launch
+
+    launch, kinds = _launch.Launch.__call__, []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *args: kinds.append(
+        (self.constexprs.get("CHECK_CACHE"), self.constexprs.get("MERGE_SPLITS"))) or launch(self, *args))
     assert torch.equal(call([5, 12]), first) and not checks
+    assert kinds == [(True, num_splits > 1)]  # split: one launch, checked and merged
     if paged:  # entry 9 lies in sequence 1's third page, which 8 keys do not reach
         call([5, 8], torch.tensor([[3, 1, 0], [2, 5, 9]], dtype=torch.int32))
     for name, (lens, table) in _FOLD_BAD.items():
