@@ -12,7 +12,13 @@ backward: the printed path says which forward and backward ran), "tileattn tl" t
 FlexAttention compiles once per shape (tens of seconds each), so by default it runs only at
 seqlen 8192 (``--flex-seqlens`` changes that; ``--quick`` skips it).
 
-    python benchmarks/prefill.py [--quick] [--out DIR] [--dry-run] [--smoke]
+``--rounds N`` times every implementation of a shape N times, interleaved (round 1 runs each
+once, then round 2, ...), and reports each one's median over the rounds, with the spread
+((max - min) / median of the forward's milliseconds) in the CSV: one implementation's reading
+that jumps in a single cell of a one-round table (cuDNN's did, by 6-10 %, in two runs of
+2026-12-01) then moves the median less.
+
+    python benchmarks/prefill.py [--quick] [--rounds N] [--out DIR] [--dry-run] [--smoke]
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def add_args(p) -> None:
     p.add_argument("--seqlens", default="", help="comma-separated seqlens (default: 512,2048,8192,16384)")
     p.add_argument("--hdim-v", type=int, default=0,
                    help="v's head dim when it differs from q/k's (MLA training: --hdims 192 --hdim-v 128)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each shape's implementations this many times, interleaved; report the medians")
 
 
 def build_cases(args) -> list[dict]:
@@ -160,6 +168,24 @@ def time_case(case: dict, name: str, args, dtype, ref: dict) -> dict:
     return row
 
 
+def median_row(rounds: list[dict], case: dict) -> dict:
+    """One implementation's rows of one shape over the rounds, as one row: the medians of the
+    forward's and the forward+backward's milliseconds (rounds that failed left out), the TFLOP/s
+    from them, and the forward's spread over the rounds."""
+    import statistics
+
+    row = dict(rounds[0])
+    for key in ("fwd_ms", "fwdbwd_ms"):
+        times = [r[key] for r in rounds if r[key] is not None]
+        row[key] = statistics.median(times) if times else None
+    fwd = [r["fwd_ms"] for r in rounds if r["fwd_ms"] is not None]
+    row.update(fwd_tflops=common.tflops(case["flops"], row["fwd_ms"]),
+               bwd_tflops=common.bwd_tflops(case["flops"], row["fwd_ms"], row["fwdbwd_ms"]),
+               rounds=len(fwd), fwd_spread=(max(fwd) - min(fwd)) / row["fwd_ms"] if fwd else None,
+               note=next((r["note"] for r in rounds if r["note"]), ""))
+    return row
+
+
 def dispatch_path(q, k, v, causal: bool) -> str:
     """Which forward and backward kernels tileattn's dispatch picks for these tensors, as
     'fwd hopper / bwd tl (why)': 'hopper' (Gluon) or 'tl (why not)' for each."""
@@ -270,15 +296,20 @@ def main() -> None:
     rows = []
     for c in cases:
         ref: dict = {}
-        for name in impls:
-            if name == "flex" and c["seqlen"] not in flex_at:
-                continue
-            rows.append(time_case(c, name, args, dtype, ref))
-            r = rows[-1]
-            print(f"  hdim {c['hdim']} causal {c['causal']} seqlen {c['seqlen']} {name}: "
-                  f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s"
-                  f"{' [' + r['path'] + ']' if r.get('path') else ''}", flush=True)
-            common.write_csv(f"{args.out}/prefill.csv", rows, env, quiet=True)
+        names = [name for name in impls if name != "flex" or c["seqlen"] in flex_at]
+        timed: dict = {name: [] for name in names}
+        so_far: list = []
+        for i in range(args.rounds):
+            for name in names:
+                timed[name].append(time_case(c, name, args, dtype, ref))
+                r = timed[name][-1]
+                print(f"  hdim {c['hdim']} causal {c['causal']} seqlen {c['seqlen']} {name}"
+                      f"{f' (round {i + 1})' if args.rounds > 1 else ''}: "
+                      f"{common.fmt(r['fwd_tflops'])} / {common.fmt(r['bwd_tflops'])} TFLOP/s"
+                      f"{' [' + r['path'] + ']' if r.get('path') else ''}", flush=True)
+                so_far = [median_row(timed[n], c) for n in names if timed[n]]  # a run cut short keeps these
+                common.write_csv(f"{args.out}/prefill.csv", rows + so_far, env, quiet=True)
+        rows += so_far
     if args.device.startswith("cuda"):
         longest = max(c["seqlen"] for c in cases)
         for c in cases:

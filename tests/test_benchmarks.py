@@ -40,7 +40,12 @@ def errors(rows: list[dict]) -> list[float]:
 
 @pytest.mark.parametrize("script", ["prefill.py", "decode.py"])
 def test_benchmark_outputs_agree(tmp_path, script):
-    rows = run_smoke(script, tmp_path)
+    rows = run_smoke(script, tmp_path, extra=("--rounds", "2") if script == "prefill.py" else ())
+    if script == "prefill.py":  # each implementation timed twice per shape, interleaved: one row of medians
+        timed = [r for r in rows if r["table"] == "speed" and r["fwd_ms"]]
+        assert timed and all(r["rounds"] == "2" and float(r["fwd_spread"]) >= 0 for r in timed), timed
+        assert len({(r["hdim"], r["causal"], r["seqlen"], r["impl"]) for r in rows if r["table"] == "speed"}) == \
+            len([r for r in rows if r["table"] == "speed"]), "one row per shape and implementation"
     tile_rows = [r for r in rows if r["impl"].startswith(("tileattn", "paged", "mla paged", "mla contiguous"))]
     assert tile_rows and all(r["note"] == "" or "CUDA" in r["note"] for r in tile_rows), tile_rows
     errs = errors(rows)

@@ -6,6 +6,7 @@ import torch
 import tileattn
 from tileattn import reference as R
 from tileattn.ops.fp8 import quantize
+from graphs import captured
 from tolerance import assert_within, plain_attention
 
 
@@ -55,7 +56,6 @@ def test_cascade_equals_attention_over_the_whole_cache(device, name, num_splits)
     new_k = torch.stack([s[-sq:] for s in suf_k]) if append else None
     new_v = torch.stack([s[-sq:] for s in suf_v]) if append else None
     stored_k = [s[:-sq] if append else s for s in suf_k]
-    stored_v = [s[:-sq] if append else s for s in suf_v]
     kv, prefix_table, table = pool_with(torch.cat([prefix_k, prefix_v], -1),
                                         [torch.cat([a, b], -1) for a, b in zip(suf_k, suf_v)], block, 64, gen)
     k_pool, v_pool = kv[..., :d].contiguous(), kv[..., d:].contiguous()
@@ -165,14 +165,7 @@ def test_cascade_replays_from_a_cuda_graph():
     def step():
         return tileattn.cascade_attn_with_kvcache(q, pool, pool_v, prefix_table, prefix_len, table, lens)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, _, static_out = captured(step)
     prefix_len.fill_(777)
     lens.copy_(torch.randint(1, 250, (batch,), dtype=torch.int32, device=dev, generator=gen))
     q.copy_(torch.randn(q.shape, device=dev, generator=gen))

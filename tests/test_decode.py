@@ -5,6 +5,7 @@ import torch
 
 import tileattn
 from tileattn import reference as R
+from graphs import captured
 from tolerance import assert_within, plain_attention
 
 
@@ -206,14 +207,7 @@ def test_decode_step_replays_from_a_cuda_graph():
         return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lens,
                                                 block_table=table, causal=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager = step().clone()  # compiles and warms up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, eager, static_out = captured(step)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(static_out, eager, rtol=0, atol=0)

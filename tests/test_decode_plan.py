@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tileattn
+from graphs import captured
 
 
 def _layers(gen, n_layers, batch, cap, paged, device, dtype=torch.float16):
@@ -150,14 +151,7 @@ def test_planned_step_replays_from_a_cuda_graph():
         eager = [plan.run(q, k, v, k=kn, v=vn) for (q, _, _, kn, vn), (k, v) in zip(layers, pools)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
+    graph, _, static = captured(lambda: [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers])
     graph.replay()
     torch.cuda.synchronize()
     for s, e in zip(static, eager):

@@ -19,6 +19,7 @@ import tileattn
 from tileattn import reference as R
 from tileattn.contract import AttnParams
 from tileattn.ops.fp8 import FP8_DTYPE, quantize
+from graphs import captured
 from tolerance import assert_within, plain_attention
 
 FP8_REL, FP8_ABS = 2.0**-4, 2.0**-10  # the e4m3 rounding budget (relative; absolute x descale)
@@ -484,14 +485,7 @@ def test_mixed_batch_replays_from_a_cuda_graph(fp8):
         return tileattn.flash_attn_varlen_func(q, k_pool, v_pool, cq, None, max(lens_q), 512, seqused_k=used,
                                                block_table=table, causal=True, out=out, **descales)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles and warms up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _, _ = captured(step)
     for _ in range(2):  # new contents in the same buffers
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
         used.copy_(torch.randint(1, 512, (batch,), device=dev, dtype=torch.int32, generator=gen).clamp_min(200))

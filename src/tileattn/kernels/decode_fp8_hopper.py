@@ -372,30 +372,13 @@ def _fp8_consumer_body(WG: gl.constexpr, k_ring, v_ring, q_stages, p_stages, bar
                 o = warpgroup_mma(v_op, p_stages.index(2 * WG + (c - 1) % 2).permute((1, 0)), o)  # the last tile's
         else:  # each product waited for at once; the other warpgroup overlaps this one's chain
             for t in range(n_lo, n_hi):
-                key0 = t * BLOCK_N + WG * KEYS  # this warpgroup's first key of the tile
                 k_op = _k_operand(_wait_tile(k_full, k_ring, c, STAGES, BLOCK_N, HEAD_DIM).slice(WG * KEYS, KEYS), a_f16)
-                v_tile = _wait_tile(v_full, v_ring, c, STAGES, BLOCK_N, HEAD_DIM)
-                if (t + 1) * BLOCK_N > seqlen_k:  # the sequence's last tile: its rows past the keys hold anything (NaN)
-                    _zero_rows_from(v_tile, seqlen_k - t * BLOCK_N, BLOCK_N, HEAD_DIM)  # both warpgroups: same values
-                    gl.thread_barrier()  # every warp's rows zeroed before any reads them
-                v8 = v_tile.slice(WG * KEYS, KEYS).load(V_LOAD)
+                v8 = _fp8_v_regs(v_full, v_ring, c, t, seqlen_k, WG, STAGES)
                 mbarrier.arrive(k_empty.index(c % STAGES), count=1)  # both tiles are in registers
                 mbarrier.arrive(v_empty.index(c % STAGES), count=1)
                 s = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False)  # [KEYS, N_Q] S^T
-                if CAUSAL:
-                    masked = key0 + KEYS > diag + 1
-                else:
-                    masked = key0 + KEYS > seqlen_k
-                if masked:
-                    k_pos = key0 + gl.arange(0, KEYS, layout=key_s)  # [KEYS]
-                    s = gl.where((k_pos < seqlen_k)[:, None], s, float("-inf"))
-                    if CAUSAL:  # query row n sees keys <= n // GROUP + diag
-                        s = gl.where(k_pos[:, None] <= (n_s // GROUP)[None, :] + diag, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0) * s_scale)  # [N_Q]: across the warpgroup's keys
-                m_use, alpha = _online_rescale(m_i, m_new, True)
-                p = gl.exp2(s * s_scale - m_use[None, :])  # [KEYS, N_Q]
-                l_acc = l_acc * alpha[None, :] + p
-                m_i = m_new
+                p, m_i, l_acc, alpha = _fp8_softmax(s, m_i, l_acc, t * BLOCK_N + WG * KEYS, seqlen_k, diag, n_s,
+                                                    s_scale, GROUP, CAUSAL, key_s)
                 p_buf = p_stages.index(2 * WG + c % 2)  # [N_Q, KEYS] P^T, last read by the product two tiles ago
                 p_buf.store(p.to(gl.float16).permute((1, 0)))  # [N_Q, KEYS]
                 fence_async_shared()
