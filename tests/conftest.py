@@ -60,6 +60,23 @@ def device(request, monkeypatch):
     return "cpu"
 
 
+@pytest.fixture
+def split_launches(monkeypatch) -> list:
+    """A list that grows by one entry per forward or combine launch (``gpu._launch.Launch``) from
+    now on: the forward's ``MERGE_SPLITS`` (True where it merges its own splits), False for the combine."""
+    from tileattn.gpu import _launch
+
+    seen, call = [], _launch.Launch.__call__
+
+    def counted(self, *args):
+        if "MERGE_SPLITS" in self.constexprs or "SKIP_MARKED" in self.constexprs:
+            seen.append(self.constexprs.get("MERGE_SPLITS", False))
+        return call(self, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
+    return seen
+
+
 # ------------------------------------------------------------------ poisoned allocations
 
 

@@ -390,21 +390,6 @@ def _lane_device(monkeypatch) -> str:
     return "cpu"
 
 
-def _count_launches(monkeypatch) -> list:
-    """A list that grows by each forward or combine launch's ``MERGE_SPLITS`` (False for the combine)."""
-    from tileattn.gpu import _launch
-
-    seen, call = [], _launch.Launch.__call__
-
-    def counted(self, *args):
-        if "MERGE_SPLITS" in self.constexprs or "SKIP_MARKED" in self.constexprs:
-            seen.append(self.constexprs.get("MERGE_SPLITS", False))
-        return call(self, *args)
-
-    monkeypatch.setattr(_launch.Launch, "__call__", counted)
-    return seen
-
-
 def _no_counter_left() -> bool:
     """Whether some (device, stream) has arrival counters and all of them are zero (after a sync)."""
     from tileattn.gpu import combine
@@ -415,7 +400,7 @@ def _no_counter_left() -> bool:
 @pytest.mark.parametrize("num_splits", [3, 16])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("sink", [False, True])
-def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink, num_splits):
+def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, split_launches, paged, sink, num_splits):
     """A kept signature's split call (the ops layer's lane, ``PreparedFwd``) is one launch: its last
     split programs merge the splits (``MERGE_SPLITS``), bit for bit what the first call's attention and
     combine launches gave, within the tolerance rule of the float64 reference: sequences of 400, 130,
@@ -441,13 +426,12 @@ def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink
         return tileattn.flash_attn_with_kvcache(*args[:3], cache_seqlens=args[5], block_table=args[3], causal=True,
                                                 num_splits=num_splits, learnable_sink=args[4], return_softmax_lse=True)
 
-    launches = _count_launches(monkeypatch)
     two = call()  # the signature's first call: attention, then the combine
-    assert launches == [False, False]
+    assert split_launches == [False, False]
     for _ in range(2):  # the lane, twice on the same counters
-        launches.clear()
+        split_launches.clear()
         out, lse = call()
-        assert launches == [True] and _no_counter_left()
+        assert split_launches == [True] and _no_counter_left()
         assert torch.equal(out, two[0]) and torch.equal(lse, two[1])
     out, lse = out.cpu(), lse.cpu()
     for b, n in enumerate(lens):
@@ -462,10 +446,10 @@ def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, paged, sink
     assert torch.equal(no_key, torch.zeros_like(no_key))
 
 
-def test_the_merge_reads_more_splits_than_one_block(monkeypatch):
+def test_the_merge_reads_more_splits_than_one_block(monkeypatch, split_launches):
     """More splits than the merge reads at once (``COMBINE_MAX_BLOCK_S`` + 13, key tiles for 9 more):
     a later block raises the running maximum and the last 3 splits are empty; the lane's merged
-    launch equals the attention and combine launches bit for bit."""
+    launch equals the attention and combine split_launches bit for bit."""
     from tileattn.gpu import attention, combine
 
     dev = _lane_device(monkeypatch)
@@ -479,11 +463,10 @@ def test_the_merge_reads_more_splits_than_one_block(monkeypatch):
         return tileattn.flash_attn_with_kvcache(q.to(dev), k_cache.to(dev), v_cache.to(dev), cache_seqlens=lens,
                                                 num_splits=splits, return_softmax_lse=True)
 
-    launches = _count_launches(monkeypatch)
     two = call()
-    launches.clear()
+    split_launches.clear()
     one = call()
-    assert launches == [True] and _no_counter_left()
+    assert split_launches == [True] and _no_counter_left()
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     ref_o, ref_l = R.attention_naive(q.double().numpy(), k_cache.double().numpy(), v_cache.double().numpy())
     assert_within("out", one[0].cpu(), plain_attention(q, k_cache, v_cache)[0], ref_o)
@@ -520,19 +503,18 @@ def test_the_merge_rule(monkeypatch):
     assert combine.eager_counters(plan) is None
 
 
-def test_eager_merge_off_keeps_two_launches(monkeypatch):
-    """``EAGER_MERGE = False`` (the A/B switch): the lane launches attention and combine again."""
+def test_eager_merge_off_keeps_two_launches(monkeypatch, split_launches):
+    """``EAGER_MERGE = False`` (the A/B switch): the lane split_launches attention and combine again."""
     from tileattn.gpu import combine
 
     dev = _lane_device(monkeypatch)
     monkeypatch.setattr(combine, "EAGER_MERGE", False)
     gen = torch.Generator().manual_seed(46)
     q, cache = torch.randn(1, 1, 4, 16, generator=gen).to(dev), torch.randn(1, 300, 2, 16, generator=gen).to(dev)
-    launches = _count_launches(monkeypatch)
     for _ in range(2):
         tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([300], dtype=torch.int32, device=dev),
                                          num_splits=3)
-    assert launches == [False] * 4
+    assert split_launches == [False] * 4
 
 
 def _merged_launches() -> int:
@@ -583,21 +565,14 @@ def test_the_merged_eager_call_equals_the_captured_two_launches(layout):
     assert _merged_launches() == before + 1, "the eager split call did not merge in its launch"
     torch.cuda.synchronize()
     assert _no_counter_left()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     before = _merged_launches()
-    with torch.cuda.graph(graph):
-        captured = call()
-    assert _merged_launches() == before, "a captured call merged in its launch"
-    for t in captured:
+    graph, _, static = captured(call)  # the warm-up on a side stream merges (eager), the capture must not
+    assert _merged_launches() == before + 1, "a captured call merged in its launch"
+    for t in static:
         t.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert torch.equal(static[0], eager[0]) and torch.equal(static[1], eager[1])
 
 
 @pytest.mark.gpu
