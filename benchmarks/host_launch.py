@@ -288,8 +288,8 @@ def main():
         A.clear_plans()
         A.attn_fwd(*tensors, params=params, **opts)
         plan = next(iter(A._PLANS.values()))
-        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None,  # merged out, lse, counters
-                    None, None, None, None,  # alibi, sink, cu_seqlens
+        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]),
+                    None, None, None, None, None, None, None,  # merged out, lse, counters; alibi, sink, cu_seqlens
                     opts.get("seqused_k"), None, None, None, *plan.ints, 0.1, 0.0, -1, -1, 0,  # table, descales
                     *params.dropout_offsets(tensors[0].shape[-2]), 0, 0, 1.0)  # dropout's counters, seed, threshold
         meta = {**plan.fwd.constexprs, **plan.fwd.options}

@@ -362,7 +362,8 @@ def merged_launches(launches) -> list:
         unmerged = {**plan.fwd.constexprs, **plan.fwd.options}
         for fn, args, kwargs in launches:
             if kwargs == unmerged:
-                outputs = (torch.empty(16, dtype=o_dtype), torch.empty(16, dtype=l_dtype), torch.zeros(16, dtype=torch.int32))
+                outputs = (torch.empty(16, dtype=o_dtype), torch.empty(16, dtype=l_dtype),
+                           torch.zeros(16, dtype=torch.int32))
                 merged.append((fn, (*args[:5], *outputs, *args[8:]), {**plan.merged.constexprs, **plan.merged.options}))
                 break
     return merged

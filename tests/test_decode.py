@@ -512,8 +512,8 @@ def test_eager_merge_off_keeps_two_launches(monkeypatch, split_launches):
     gen = torch.Generator().manual_seed(46)
     q, cache = torch.randn(1, 1, 4, 16, generator=gen).to(dev), torch.randn(1, 300, 2, 16, generator=gen).to(dev)
     for _ in range(2):
-        tileattn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([300], dtype=torch.int32, device=dev),
-                                         num_splits=3)
+        tileattn.flash_attn_with_kvcache(q, cache, cache, num_splits=3,
+                                         cache_seqlens=torch.tensor([300], dtype=torch.int32, device=dev))
     assert split_launches == [False] * 4
 
 

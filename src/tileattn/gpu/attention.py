@@ -42,7 +42,7 @@ from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       partials_workspace, plan_for)
-from .combine import combine_block_s, combine_launch, merge_rows
+from .combine import combine_launch, merge_constexprs
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket
 from .hopper_fp8 import Fp8DecodePlan, hopper_fp8_decode_reason
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
@@ -527,7 +527,7 @@ class FwdPlan:
             DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
             V_IS_K=v_is_k, SINGLE_LOOP=wide, CHECK_CACHE=False, CHECK_BLOCK_P=128,  # the check: checking_launch
-            MERGE_SPLITS=False, MERGE_ROWS=1, MERGE_BLOCK_S=1,  # the merge: merged
+            MERGE_SPLITS=False, MERGE_ROWS=1, MERGE_BLOCK_S=1, MERGE_UNROLL=1,  # the merge: merged
         )
         self.flags = flags
 
@@ -553,13 +553,13 @@ class FwdPlan:
             self.grid = grid(block_m)
             # the small decode tile's splits (not the wide tile's, nor a mixed batch's), where the
             # outputs lie as one split of the workspace (the merge writes them at the partials' offsets)
-            one_split = o_strides[1:] == (stride_ob, stride_os, stride_oh) and l_strides[1:] == (stride_lb, stride_lh, stride_ls)
-            rows = merge_rows(min(block_m, next_power_of_2(max_rows)), num_splits, head_dim_v, num_warps) \
-                if split_kv and not wide and not mixed and one_split else 0
-            if rows:
-                self.merged = launch_for(_attn_fwd_kernel, dict(
-                    self.fwd.constexprs, MERGE_SPLITS=True, MERGE_ROWS=rows,
-                    MERGE_BLOCK_S=combine_block_s(num_splits, head_dim_v_pad)), self.fwd.options, self._merged_signature)
+            one_split = (o_strides[1:] == (stride_ob, stride_os, stride_oh)
+                         and l_strides[1:] == (stride_lb, stride_lh, stride_ls))
+            merge = merge_constexprs(min(block_m, next_power_of_2(max_rows)), num_splits, head_dim_v, head_dim_v_pad,
+                                     num_warps) if split_kv and not wide and not mixed and one_split else None
+            if merge is not None:
+                self.merged = launch_for(_attn_fwd_kernel, dict(self.fwd.constexprs, **merge), self.fwd.options,
+                                         self._merged_signature)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
             self.tuned = _attn_fwd_tuned(bucket if self.kv_per_call else length_bucket(seqlen_q, seqlen_k))

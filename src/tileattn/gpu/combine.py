@@ -34,18 +34,24 @@ from . import _launch
 from ..kernels.combine import _combine_kernel
 from ._launch import Launch, contiguous_strides, int_class, launch_for, next_power_of_2
 
-__all__ = ["EAGER_MERGE", "combine_launch", "eager_counters", "merge_parts", "merge_rows"]
+__all__ = ["EAGER_MERGE", "combine_launch", "eager_counters", "merge_constexprs", "merge_parts"]
 
 EAGER_MERGE = True  # eager prepared split launches merge their splits themselves (module docstring)
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
 COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 COMBINE_NUM_WARPS = 4  # a forward launch of other warps cannot merge as the combine does (the reductions' order)
-# The in-kernel merge: at most MERGE_MAX_ROWS rows a program (the merge is unrolled over them: a
-# decoding row of GQA up to 16, or a few speculative tokens), and MERGE_MAX_BYTES of partials it
-# reads alone (past that, the combine's program per row is predicted quicker: at ~100 GB/s from
-# L2 for one SM, 128 KB take ~1.3 µs, under a launch's device cost).
+# The in-kernel merge: at most MERGE_MAX_ROWS rows a program (a decoding row of GQA up to 16, or a
+# few speculative tokens), and MERGE_MAX_BYTES of partials it reads alone (past that, the combine's
+# program per row is predicted quicker: at ~100 GB/s from L2 for one SM, 128 KB take ~1.3 µs,
+# under a launch's device cost). Its loop over the rows is unrolled where a row's block of splits
+# holds MERGE_UNROLL_TILE fp32 or more (BLOCK_S x head dim), else not. Chosen by sm_90 ptxas
+# (tests/hopper_compile.py): unrolled small blocks made it lower the register target below the
+# plain variant's and spill (paged 256, 4 splits: 96 -> 80 registers and 8 bytes of stack), the
+# loop over large blocks did (8k contiguous, 16 splits: 128 and 8 bytes; 33 splits: 242 against
+# 216 unrolled); this way no merged variant spills where its plain one does not.
 MERGE_MAX_ROWS = 16
 MERGE_MAX_BYTES = 128 * 1024
+MERGE_UNROLL_TILE = 16 * 128
 _STREAMS_KEPT = 64  # (device, stream) buffers kept; all are dropped when full (new ones are zeros)
 _COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 _COUNTERS: dict = {}
@@ -56,13 +62,17 @@ def combine_block_s(num_splits: int, head_dim_pad: int) -> int:
     return min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S, COMBINE_MAX_TILE // head_dim_pad)
 
 
-def merge_rows(rows: int, num_splits: int, head_dim_v: int, num_warps: int) -> int:
-    """``MERGE_ROWS`` of a split decode launch whose programs serve at most ``rows`` rows (a power
-    of two, at most the tile's): 0 where it cannot merge its splits itself (``num_warps`` not the
-    combine's, ``MERGE_MAX_ROWS``, ``MERGE_MAX_BYTES``)."""
+def merge_constexprs(rows: int, num_splits: int, head_dim_v: int, head_dim_v_pad: int,
+                     num_warps: int) -> dict | None:
+    """The forward kernel's merge constexprs (``MERGE_SPLITS`` and its tile) for a split decode
+    launch whose programs serve at most ``rows`` rows (a power of two, at most the tile's); None
+    where it cannot merge its splits itself (``num_warps`` not the combine's, ``MERGE_MAX_ROWS``,
+    ``MERGE_MAX_BYTES``)."""
     if num_warps != COMBINE_NUM_WARPS or rows > MERGE_MAX_ROWS or rows * num_splits * head_dim_v * 4 > MERGE_MAX_BYTES:
-        return 0
-    return rows
+        return None
+    block_s = combine_block_s(num_splits, head_dim_v_pad)
+    return dict(MERGE_SPLITS=True, MERGE_ROWS=rows, MERGE_BLOCK_S=block_s,
+                MERGE_UNROLL=rows if block_s * head_dim_v_pad >= MERGE_UNROLL_TILE else 1)
 
 
 def eager_counters(plan) -> torch.Tensor | None:
@@ -111,9 +121,10 @@ def combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, h
     if varlen:
         o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
     ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
+    block_s = combine_block_s(num_splits, head_dim_pad)
     launch = launch_for(_combine_kernel,
-                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=combine_block_s(num_splits, head_dim_pad),
-                             HAS_SINK=sink is not None, SKIP_MARKED=marked),
+                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=block_s, HAS_SINK=sink is not None,
+                             SKIP_MARKED=marked),
                         dict(num_warps=COMBINE_NUM_WARPS), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
                                                             int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
     return launch, (batch * seqlen_q * nheads, 1, 1), ints

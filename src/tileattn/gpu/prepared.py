@@ -82,9 +82,10 @@ class PreparedFwd:
     ``calls`` counts its calls.
 
     ``checking`` / ``merged_checking``: the plan's kernel / merged kernel with the KV cache's value
-    check folded in (``folds_cache_check``), which a call with ``check_cache`` launches instead: the lengths' top is the cache's capacity and
-    there are no left pads (the ops layer's lane calls). Should the plans have been forgotten since,
-    such a call launches ``gpu.checks``' kernel before ``attn_fwd``, as the ops layer would."""
+    check folded in (``folds_cache_check``), which a call with ``check_cache`` launches instead: the
+    lengths' top is the cache's capacity and there are no left pads (the ops layer's lane calls).
+    Should the plans have been forgotten since, such a call launches ``gpu.checks``' kernel before
+    ``attn_fwd``, as the ops layer would."""
 
     __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "hopper", "out_like_q", "generation",
                  "calls", "checking", "merged_checking", "folds_cache_check")

@@ -48,10 +48,10 @@ the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale an
 output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
 starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
 with it the merge of the splits counts the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
-``V_IS_K`` and ``SINGLE_LOOP`` (above), ``CHECK_CACHE`` and ``MERGE_SPLITS`` (below). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
-the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
-under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
-launcher then asks for fp32.
+``V_IS_K`` and ``SINGLE_LOOP`` (above), ``CHECK_CACHE`` and ``MERGE_SPLITS`` (below). ``DOT_DTYPE``
+is the operand dtype of the two matmuls: the inputs' dtype, except fp16 over an FP8 cache (q scaled
+into fp16's range, below) and bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit
+patterns as integers; the launcher then asks for fp32.
 
 ``CHECK_CACHE`` (with ``HAS_SEQUSED_K``; compiled with Triton's ``debug`` option and
 ``sanitize_overflow`` off, so its assertion is the only one) folds the KV cache's value check
@@ -63,7 +63,8 @@ no key even if the assertion returned (its tile ranges emptied). Without a left 
 in use is read by some program (the last query block's splits cover all key tiles), so the
 programs together check what the check kernel does; the launcher folds nothing else.
 
-``MERGE_SPLITS`` (with ``SPLIT_KV``; ``MERGE_ROWS`` rows, ``MERGE_BLOCK_S`` splits read at once):
+``MERGE_SPLITS`` (with ``SPLIT_KV``; ``MERGE_ROWS`` rows, ``MERGE_BLOCK_S`` splits read at once, the
+loop over the rows unrolled ``MERGE_UNROLL`` times):
 after its partial's stores each split program counts itself in on ``Counters[pid]`` (int32, one
 per program along axis 0, zero before the launch); the one that finds ``num_splits - 1`` there
 arrived last, merges the row block's partials row by row with ``merge_row`` (the combine
@@ -226,7 +227,7 @@ def _attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
     V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, CHECK_CACHE: tl.constexpr = False,
     CHECK_BLOCK_P: tl.constexpr = 128, MERGE_SPLITS: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
-    MERGE_BLOCK_S: tl.constexpr = 1,
+    MERGE_BLOCK_S: tl.constexpr = 1, MERGE_UNROLL: tl.constexpr = 1,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -419,7 +420,7 @@ def _attn_fwd_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
-            for r in tl.static_range(MERGE_ROWS):
+            for r in tl.range(0, MERGE_ROWS, num_stages=1, loop_unroll_factor=MERGE_UNROLL):
                 r_pos, r_head = _row_coords(m_start + r, h_grid, GROUP, PACK_GQA)  # [] the row's query and head
                 r_tok = (q_start + r_pos).to(tl.int64)
                 r_head = r_head.to(tl.int64)
