@@ -14,7 +14,8 @@ forward's wide tile (head dims above 256, MLA's absorbed decoding) was chosen as
 compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here.
 Each split decode launch whose plan has a merged form (``FwdPlan.merged``, the eager lane's: its
 last split programs merge the splits, ``MERGE_SPLITS``) is compiled in that form too, with and
-without the folded cache check; a merged variant that spills where the plain one does not fails.
+without the folded cache check; a merged or checked variant that spills where the plain launch
+(neither) does not fails.
 
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
@@ -635,7 +636,7 @@ def main() -> int:
         for how, launcher in (("", check_launcher.cache_values_ok), (" asserting", asserting_check)):
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
-    plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check
+    plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check or the merge
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
                 or (k in ("DYNAMIC", "OVERLAP") and v)}
@@ -655,17 +656,15 @@ def main() -> int:
                 verdict = f"FAIL spills ({usage})"
             elif stack and must_not_spill(fn, kwargs):
                 verdict = f"FAIL the wide tile spills ({usage})"
-            elif kwargs.get("CHECK_CACHE") and stack and not plain_stack.get((name[:-len(" checked")], str(tile))):
-                verdict = f"FAIL the folded cache check spills ({usage})"  # where the launch without it does not
-            elif (kwargs.get("MERGE_SPLITS") and not kwargs.get("CHECK_CACHE") and stack
-                  and not plain_stack.get((name[:-len(" merged")], str(tile)))):
-                verdict = f"FAIL the merged splits spill ({usage})"  # where the launch without the merge does not
+            elif (kwargs.get("CHECK_CACHE") or kwargs.get("MERGE_SPLITS")) and stack and not plain_stack.get(
+                    (name.removesuffix(" checked").removesuffix(" merged"), str(tile))):
+                verdict = f"FAIL the folded check or the merge spills ({usage})"  # where the plain launch does not
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        if fn is fwd_launcher._attn_fwd_kernel and not kwargs.get("CHECK_CACHE"):
+        if fn is fwd_launcher._attn_fwd_kernel and not kwargs.get("CHECK_CACHE") and not kwargs.get("MERGE_SPLITS"):
             plain_stack[name, str(tile)] = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
         failures += not verdict.startswith("ok")
         print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)
