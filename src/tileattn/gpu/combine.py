@@ -3,7 +3,7 @@
 * A launch of its own after the split forward (``combine_launch``): one program per row. Every
   split plan has one; ``merge_parts`` launches it on partial states a caller computed (a
   cascade's prefix splits and suffix).
-* In the split forward launch itself (``MERGE_SPLITS``, ``merge_rows``): the last split program of
+* In the split forward launch itself (``MERGE_SPLITS``, ``merge_constexprs``): the last split program of
   each row block to finish merges the block's rows, one row at a time as the combine kernel does,
   with the same block of splits (``combine_block_s``) and the same number of warps, so both forms
   give the same bits. The programs count their arrival on an int32 per program along the grid's
