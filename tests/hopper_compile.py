@@ -352,21 +352,14 @@ def record(fn, *args, **kwargs):
 
 
 def merged_launches(launches) -> list:
-    """The merged form (``FwdPlan.merged``) of each recorded split launch whose plan has one: the same
-    arguments with the outputs (their dtypes, as the plan's merged signature names them) and the
-    counters in the merged launch's places, its constexprs and options."""
+    """The merged form (``FwdPlan.merged``) of each recorded split launch whose plan has one: its
+    arguments with the outputs (dtypes as the plan's merged signature names them) and counters in
+    their places, the merged launch's constexprs and options."""
     merged = []
-    for plan in fwd_launcher._PLANS.values():
-        if plan.merged is None:
-            continue
-        o_dtype, l_dtype = plan._merged_signature[0][5:7]
-        unmerged = {**plan.fwd.constexprs, **plan.fwd.options}
-        for fn, args, kwargs in launches:
-            if kwargs == unmerged:
-                outputs = (torch.empty(16, dtype=o_dtype), torch.empty(16, dtype=l_dtype),
-                           torch.zeros(16, dtype=torch.int32))
-                merged.append((fn, (*args[:5], *outputs, *args[8:]), {**plan.merged.constexprs, **plan.merged.options}))
-                break
+    for plan in (p for p in fwd_launcher._PLANS.values() if p.merged is not None):
+        outputs = [torch.empty(16, dtype=dtype) for dtype in plan._merged_signature[0][5:8]]
+        merged += [(fn, (*args[:5], *outputs, *args[8:]), {**plan.merged.constexprs, **plan.merged.options})
+                   for fn, args, kwargs in launches if kwargs == {**plan.fwd.constexprs, **plan.fwd.options}][:1]
     return merged
 
 
