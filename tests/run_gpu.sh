@@ -2,6 +2,9 @@
 # The GPU correctness run, on the device machine from the repository root:
 #
 #     bash tests/run_gpu.sh            # logs under $OUT (default gpu_out/), a summary last
+#     PART=a bash tests/run_gpu.sh     # one GPU: half the suite per call (PART=a, which also runs
+#                                      # steps 2-5, then PART=b), since the whole suite on one
+#                                      # H200 takes ~490 s of pytest alone (2026-12-01)
 #
 # 1. the whole test suite on the GPU (split in two halves run at once when the host has two
 #    GPUs or more: the multi-GPU kinds): the public-API tests (test_api, test_varlen,
@@ -57,15 +60,25 @@ PAR=()
 # every failure in the summary even when the step's limit cuts the run short of it.
 "$PY" -c "import pytest_timeout" 2>/dev/null && PAR+=(--timeout 240)
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
-if ((GPUS >= 2)); then
-  # two halves of the suite, one per GPU, at once (the 2026-11-30 runs: 190 s and 300 s)
-  HALF_A=(tests/test_hopper_fwd.py tests/test_api.py tests/test_triton_fwd.py tests/test_triton_bwd.py
-          tests/test_sinks.py tests/test_headdim_v.py tests/test_lse_grad.py tests/test_varlen.py tests/test_append.py
-          tests/test_launch.py tests/test_gpu_limits.py tests/test_serving.py tests/test_cascade.py)
-  HALF_B=()
-  for f in tests/test_*.py; do
-    [[ " ${HALF_A[*]} tests/test_hopper_compile.py " == *" $f "* ]] || HALF_B+=("$f")
-  done
+PART="${PART:-}"
+# two halves of the suite (the 2026-11-30 runs on two GPUs at once: 190 s and 300 s)
+HALF_A=(tests/test_hopper_fwd.py tests/test_api.py tests/test_triton_fwd.py tests/test_triton_bwd.py
+        tests/test_sinks.py tests/test_headdim_v.py tests/test_lse_grad.py tests/test_varlen.py tests/test_append.py
+        tests/test_launch.py tests/test_gpu_limits.py tests/test_serving.py tests/test_cascade.py)
+HALF_B=()
+for f in tests/test_*.py; do
+  [[ " ${HALF_A[*]} tests/test_hopper_compile.py " == *" $f "* ]] || HALF_B+=("$f")
+done
+if [[ -n $PART ]]; then
+  [[ $PART == a ]] && FILES=("${HALF_A[@]}") || FILES=("${HALF_B[@]}")
+  step "pytest_$PART" "${PYTEST_TIMEOUT_S:-500}" "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 \
+    "${PAR[@]}" -k "not nccl" "${FILES[@]}"
+  if [[ $PART == b ]]; then
+    echo "=== summary ==="
+    cat "$OUT/summary.txt"
+    exit 0
+  fi
+elif ((GPUS >= 2)); then
   CUDA_VISIBLE_DEVICES=0 step pytest_a "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \
     --durations=10 "${PAR[@]}" "${HALF_A[@]}" &
   CUDA_VISIBLE_DEVICES=1 step pytest_b "${PYTEST_TIMEOUT_S:-330}" "$PY" -m pytest -q -rfE -p no:cacheprovider \

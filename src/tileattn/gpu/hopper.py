@@ -86,6 +86,9 @@ PERSISTENT_MIN_GROUP = 24
 DYNAMIC_SCHEDULE = True
 DYNAMIC_MIN_GROUP = 12
 MIN_SEQLEN_Q = 128  # fewer query rows: decoding shapes, which the portable kernel's split-KV path serves
+# From MIN_SEQLEN_Q rows on, every call the rules accept runs the Gluon kernels at any length: the last
+# short-call exception (hdim 64 causal forwards of <= 1024 rows on the portable kernel) lost its A/B on
+# the H200 (docs/perf-notes.md, 2026-12-01 18:37: Gluon +17.9 % at 512 rows, +19.1 % at 1024).
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
