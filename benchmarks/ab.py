@@ -134,11 +134,23 @@ def table(rows: list[dict], arms: list[str], backward: bool, device: str) -> Non
         for part in parts:
             mine = [r for r in rows if (r["hdim"], r["causal"], r["seqlen"]) == (hdim, causal, seqlen)]
             med = {a: _median(r.get(f"{part}_tflops") for r in mine if r["arm"] == a) for a in arms}
-            ratios = [common.fmt(med[a] / med[arms[0]], 3) if med[a] and med[arms[0]] else "–" for a in arms[1:]]
+            ratios = [_ratio_cell(mine, a, arms[0], part, med) for a in arms[1:]]
             anchor = _median(r.get("anchor_fwd_tflops") for r in mine) if part == "fwd" else None
             out.append([str(hdim), "yes" if causal else "no", str(seqlen), part, *(common.fmt(med[a]) for a in arms),
                         *ratios, common.fmt(anchor)])
-    common.print_table("A/B: TFLOP/s, medians over the rounds (alternating processes)", header, out)
+    common.print_table("A/B: TFLOP/s, medians over the rounds (alternating processes); ratios: median [each round]",
+                       header, out)
+
+
+def _ratio_cell(rows: list[dict], arm: str, first: str, part: str, med: dict) -> str:
+    """``arm``'s median over ``first``'s, then each round's own ratio in brackets (the two arms' processes
+    of one round ran back to back), so that "ahead in every round" reads off the table."""
+    if not med[arm] or not med[first]:
+        return "–"
+    by_round = {(r["arm"], r["round"]): r.get(f"{part}_tflops") for r in rows}
+    per = [by_round[arm, i] / by_round[first, i] for (a, i) in sorted(by_round) if a == arm
+           and by_round[arm, i] and by_round.get((first, i))]
+    return f"{med[arm] / med[first]:.3f} [{' '.join(f'{x:.3f}' for x in per)}]"
 
 
 def _median(values) -> float | None:

@@ -105,6 +105,19 @@ def test_ab_runs_every_arm_in_every_round(tmp_path):
     assert all(float(r["fwd_tflops"]) > 0 and float(r["anchor_fwd_tflops"]) > 0 for r in rows)
 
 
+def test_ab_ratio_cells_give_each_round(monkeypatch):
+    """ab.py's ratio cell: the median ratio, then each round's own (the arms' processes of one round
+    ran back to back), so that "ahead in every round" reads off the table."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import ab
+
+    rows = [dict(arm=arm, round=i, fwd_tflops=v) for arm, i, v in
+            (("main", 0, 100.0), ("new", 0, 110.0), ("main", 1, 200.0), ("new", 1, 190.0))]
+    med = {"main": 150.0, "new": 150.0}
+    assert ab._ratio_cell(rows, "new", "main", "fwd", med) == "1.000 [1.100 0.950]"
+    assert ab._ratio_cell(rows, "new", "main", "fwd", {"main": None, "new": 150.0}) == "–"
+
+
 @pytest.mark.parametrize("arm, message", [("nofolder=/no/such/folder", "is not a folder"),
                                           ("x=src:tileattn.gpu.hopper.NOT_THERE=1", "has no NOT_THERE"),
                                           ("x=src:TMA_STORE_HEAD_DIMS=(64,)", "is not module.ATTR=LITERAL"),
