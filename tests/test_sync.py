@@ -255,6 +255,46 @@ _BAD_VALUES = {
                                  "bad = good.clone(); bad[0, 3] = -1\n",
                                  "q, c, c, cache_seqlens=lens, block_table=good",
                                  "q, c, c, cache_seqlens=lens, block_table=bad"),
+    # the appending lane's own check (the append kernel's CHECK, then the forward kernel's CHECK_CACHE):
+    # no room left for the new token, a negative length, a length past the rotary tables' rows, a block
+    # id past the pool in the page the append writes, a negative one in a page it only reads
+    "append, no room": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                        "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                        "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                        "good = torch.tensor([3, 31], dtype=torch.int32, device='cuda')\n"
+                        "bad = torch.tensor([3, 32], dtype=torch.int32, device='cuda')\n",
+                        "q, c, c, k=n, v=n, cache_seqlens=good", "q, c, c, k=n, v=n, cache_seqlens=bad"),
+    "append, negative length": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                "good = torch.tensor([3, 20], dtype=torch.int32, device='cuda')\n"
+                                "bad = torch.tensor([-1, 20], dtype=torch.int32, device='cuda')\n",
+                                "q, c, c, k=n, v=n, cache_seqlens=good", "q, c, c, k=n, v=n, cache_seqlens=bad"),
+    "append rotary, past the tables": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                       "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "a = torch.rand(20, 32, device='cuda')\n"
+                                       "cos, sin = a.cos().half(), a.sin().half()\n"
+                                       "good = torch.tensor([3, 19], dtype=torch.int32, device='cuda')\n"
+                                       "bad = torch.tensor([3, 20], dtype=torch.int32, device='cuda')\n",
+                                       "q, c, c, k=n, v=n, rotary_cos=cos, rotary_sin=sin, cache_seqlens=good",
+                                       "q, c, c, k=n, v=n, rotary_cos=cos, rotary_sin=sin, cache_seqlens=bad"),
+    "append paged, block id written": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                       "c = torch.randn(64, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "lens = torch.tensor([3, 100], dtype=torch.int32, device='cuda')\n"
+                                       "good = torch.arange(64, dtype=torch.int32, device='cuda').view(2, 32)\n"
+                                       "bad = good.clone(); bad[1, 6] = 64\n",
+                                       "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=good",
+                                       "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=bad"),
+    "append paged, block id read": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                    "c = torch.randn(64, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                    "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                    "lens = torch.tensor([3, 100], dtype=torch.int32, device='cuda')\n"
+                                    "good = torch.arange(64, dtype=torch.int32, device='cuda').view(2, 32)\n"
+                                    "bad = good.clone(); bad[1, 2] = -1\n",
+                                    "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=good",
+                                    "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=bad"),
     # a grid of programs (64 sequences x 256 pages): a block id past the pool in the last rows
     "block table": ("q = torch.randn(64, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
                     "c = torch.randn(300, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
@@ -274,8 +314,9 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     A valid call comes first: a kernel's first launch in a process loads its module, which waits
     for the device (and would report the failed assertion there, inside the call). The call after
     it takes the signature's lane: without left pads the forward kernel asserts itself (its
-    ``CHECK_CACHE``, no separate check launched; the script prints which kernel checked), with
-    them the check kernel does."""
+    ``CHECK_CACHE``, no separate check launched; the script prints which kernels checked), with
+    them the check kernel does; with an append, the append kernel (its ``CHECK``) and then the
+    forward kernel, each what it writes or reads by."""
     import os
     import subprocess
     import sys
@@ -287,15 +328,16 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
         f"tileattn.flash_attn_with_kvcache({good})\n"  # the lane's first call: its kernels loaded too
         "torch.cuda.synchronize()\n"
         "from tileattn.gpu import _launch, checks\n"
-        "def launched(table, fold):\n"
-        "    return sum(l.fast_calls for l in table.values() if fold is None or l.constexprs.get('CHECK_CACHE') == fold)\n"
-        "before = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
+        "def launched():\n"
+        "    return (sum(l.fast_calls for l in checks._LAUNCHES.values()),\n"
+        "            *(sum(l.fast_calls for l in _launch._LAUNCHES.values() if l.constexprs.get(flag))\n"
+        "              for flag in ('CHECK', 'CHECK_CACHE')))\n"
+        "before = launched()\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
         f"tileattn.flash_attn_with_kvcache({bad})\n"
-        "after = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
-        "fwd, check = after[1] > before[1], after[0] > before[0]\n"
-        "print('CHECKED BY', 'the forward kernel' if fwd and not check else 'the check kernel' if check and not fwd\n"
-        "      else 'both or neither', flush=True)\n"
+        "after = launched()\n"
+        "names = [name for name, b, a in zip(('check', 'append', 'forward'), before, after) if a > b]\n"
+        "print('CHECKED BY', ' + '.join(names) or 'none', flush=True)\n"
         "torch.cuda.set_sync_debug_mode('default')\n"
         "print('CALL RETURNED', flush=True)\n"
         "torch.cuda.synchronize()\n"
@@ -306,8 +348,8 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     assert "CALL RETURNED" in done.stdout and "NOT REPORTED" not in done.stdout, done.stdout + done.stderr
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
     assert "tileattn: a KV cache's lengths" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
-    checker = "the check kernel" if case == "leftpad" else "the forward kernel"
-    assert f"CHECKED BY {checker}" in done.stdout, done.stdout
+    checker = "check" if case == "leftpad" else "append + forward" if case.startswith("append") else "forward"
+    assert f"CHECKED BY {checker}\n" in done.stdout, done.stdout
 
 
 # ------------------------------------------------------------------ the check folded into the decoding launch
@@ -412,12 +454,13 @@ def test_a_program_that_finds_a_bad_value_reads_no_key(device_checks, monkeypatc
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
-def _folded_launches() -> int:
-    """Launches of a forward kernel with the cache check folded in, so far, through the fast path (a
-    variant's first launch goes through Triton's path and is not counted)."""
+def _folded_launches(flag: str = "CHECK_CACHE") -> int:
+    """Launches of a kernel with the cache check folded in (the forward's ``CHECK_CACHE``, the append's
+    ``CHECK``), so far, through the fast path (a variant's first launch goes through Triton's path and
+    is not counted)."""
     from tileattn.gpu import _launch
 
-    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get("CHECK_CACHE"))
+    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get(flag))
 
 
 _FOLD_LAYOUTS = {  # name: (batch, page size or 0, num_splits)
@@ -474,3 +517,208 @@ def test_the_folded_check_gives_the_same_bits_eager_and_replayed(layout, monkeyp
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(static, plain)), f"captured {'folded' if force else 'plain'}"
+
+
+# ------------------------------------------------------------------ the check folded into the appending lane
+
+
+def _appending_call(paged: bool, rotary: bool, gen):
+    """(call(lens, table=None, caches=None), caches, good lengths, good table) of one appending
+    signature on CPU tensors: batch 2, two new tokens, a capacity of 12 (contiguous, or 3 pages of 4
+    from a pool of 9), rotary tables of 11 rows (one fewer than the capacity) when ``rotary``."""
+    q = torch.randn(2, 2, 4, 16, generator=gen)
+    new = torch.randn(2, 2, 2, 16, generator=gen)
+    cache = torch.randn(9, 4, 2, 16, generator=gen) if paged else torch.randn(2, 12, 2, 16, generator=gen)
+    table = torch.tensor([[3, 1, 0], [2, 5, 8]], dtype=torch.int32) if paged else None
+    angles = torch.rand(11, 4, generator=gen) * 6.3
+    rope = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin()) if rotary else {}
+
+    def call(lens, tbl=table, caches=None):
+        k_cache, v_cache = caches or (cache, cache)
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, **rope, causal=True,
+                                                cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=tbl,
+                                                return_softmax_lse=True)
+
+    return call, (cache, cache), [3, 7], table
+
+
+def _count_launches(monkeypatch) -> list:
+    """A list that grows by one name per kernel launch through ``_launch.Launch`` (the ops layer's
+    launches all go through one): "check", "append", "forward" or "combine", with "+check" after
+    the append's and the forward's when their checked variant is launched."""
+    from tileattn.gpu import _launch
+
+    seen, call = [], _launch.Launch.__call__
+
+    def counted(self, grid, *args):
+        name = {"_cache_check_kernel": "check", "_append_kv_kernel": "append", "_attn_fwd_kernel": "forward",
+                "_combine_kernel": "combine"}[self.fn.__name__]
+        seen.append(name + ("+check" if self.constexprs.get("CHECK") or self.constexprs.get("CHECK_CACHE") else ""))
+        return call(self, grid, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
+    return seen
+
+
+_APPEND_BAD = {  # name: (cache_seqlens, table or None (the good one), the kernel that asserts)
+    "no room for the new tokens": ([5, 11], None, "append"),
+    "negative length": ([-1, 3], None, "append"),
+    "largest length": ([5, 2**31 - 1], None, "append"),
+    "block id past the pool, page written": ([5, 4], [[3, 1, 0], [2, 9, 8]], "append"),
+    "negative block id, page written": ([5, 4], [[3, 1, 0], [2, -3, 8]], "append"),
+    "block id past the pool, page read only": ([5, 4], [[3, 1, 0], [9, 5, 8]], "forward"),
+}
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_appending_lane_checks_the_cache_in_its_two_launches(device_checks, asserting_interpreter, monkeypatch,
+                                                                 paged, rotary):
+    """A kept appending signature's call launches the append and the forward, each checking the cache
+    values it writes or reads by (``CHECK``, ``CHECK_CACHE``), and no separate check: two launches, the
+    bits (output, lse, cache) of the unchecked kernels. Each bad value fails the kernel that depends on
+    it first with the check kernel's message; one past the rotary tables' rows fails the append."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    from tileattn.ops import _validate
+
+    call, (cache, _), good, table = _appending_call(paged, rotary, torch.Generator().manual_seed(91))
+    call(good)  # the signature's first call: the separate check, then the lane is prepared
+    launches = _count_launches(monkeypatch)
+    folded_cache = cache.clone()
+    folded = call(good, caches=(folded_cache, folded_cache))
+    assert launches == ["append+check", "forward+check"]
+    with monkeypatch.context() as m:
+        m.setattr(_validate, "value_mode", lambda t: None)  # no value check at all: the unchecked kernels
+        plain_cache = cache.clone()
+        plain = call(good, caches=(plain_cache, plain_cache))
+    assert launches[2:] == ["append", "forward"]
+    assert all(torch.equal(a, b) for a, b in zip(folded, plain)) and torch.equal(folded_cache, plain_cache)
+    cases = dict(_APPEND_BAD, **({"past the rotary tables": ([5, 10], None, "append")} if rotary else {}))
+    for name, (lens, bad_table, kernel) in cases.items():
+        if bad_table is not None and not paged:
+            continue
+        del launches[:]
+        with pytest.raises(Exception, match="tileattn: a KV cache's lengths"):
+            call(lens, table if bad_table is None else torch.tensor(bad_table, dtype=torch.int32),
+                 caches=(cache.clone(), cache.clone()))
+        assert launches[-1] == kernel + "+check" and "check" not in launches, name
+
+
+@pytest.mark.parametrize("case", ["FOLD_APPEND_CHECK off", "assertions dropped", "host checks", "no checks"])
+def test_the_appending_lane_keeps_the_check_apart_where_the_fold_does_not_apply(device_checks, asserting_interpreter,
+                                                                                monkeypatch, case):
+    """The lane without the fold: the separate check then the unchecked append and forward (the
+    constant off, or kernels that drop their assertions: Triton's interpreter on CPU tensors), the
+    unchecked ones alone (the values checked on the host, or not at all: capture, compile, =0)."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    from tileattn.ops import _validate
+    from tileattn.ops import kvcache as kv_ops
+
+    kv_ops._CHECKED.clear()
+    if case == "FOLD_APPEND_CHECK off":
+        monkeypatch.setattr(kv_ops, "FOLD_APPEND_CHECK", False)
+    elif case == "assertions dropped":
+        monkeypatch.setattr(_validate, "kernel_asserts", lambda t: False)
+    call, _, good, _ = _appending_call(True, True, torch.Generator().manual_seed(92))
+    call(good)
+    launches = _count_launches(monkeypatch)
+    if case in ("host checks", "no checks"):
+        monkeypatch.setattr(_validate, "value_mode", lambda t: "host" if case == "host checks" else None)
+    call(good)
+    assert launches == (["append", "forward"] if case in ("host checks", "no checks") else ["check", "append", "forward"])
+    if case != "no checks":
+        with pytest.raises(Exception, match="cache_seqlens|tileattn: a KV cache's lengths"):
+            call([5, 11])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_append_program_that_finds_a_bad_value_writes_nothing(device_checks, monkeypatch, paged):
+    """Were the append's device assertion to return (it traps), its program would write no key or value
+    and its sequence's length after the append would come out as -1, which the forward's own check
+    refuses: that sequence's rows come out empty (0, lse -inf) and its slots as they were, the other
+    sequence's as before (the interpreter, whose assertions are off by default, stands for that)."""
+    from tileattn.gpu._tuning import interpreting
+    from tileattn.ops import _validate
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)  # the fold taken, its assertions off
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    call, (cache, _), good, _ = _appending_call(paged, False, torch.Generator().manual_seed(93))
+    call(good, caches=(cache.clone(), cache.clone()))
+    good_cache = cache.clone()
+    good_out, good_lse = call(good, caches=(good_cache, good_cache))
+    bad_cache = cache.clone()  # sequence 1: a block id past the pool where it writes, or no room left
+    bad = torch.tensor([[3, 1, 0], [2, 9, 8]], dtype=torch.int32) if paged else None
+    out, lse = call([3, 4] if paged else [3, 11], bad, caches=(bad_cache, bad_cache))
+    assert torch.equal(out[0], good_out[0]) and torch.equal(lse[0], good_lse[0])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    want = cache.clone()  # sequence 0's new slots written, sequence 1's not
+    if paged:
+        want[3, 3], want[1, 0] = good_cache[3, 3], good_cache[1, 0]
+    else:
+        want[0, 3:5] = good_cache[0, 3:5]
+    assert torch.equal(bad_cache, want)
+
+
+_APPEND_LAYOUTS = {  # name: (batch, page size or 0, rotary)
+    "contiguous": (1, 0, False),
+    "contiguous, batch 3, rotary": (3, 0, True),
+    "paged 16": (1, 16, False),
+    "paged 16, batch 3, rotary": (3, 16, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_APPEND_LAYOUTS))
+def test_the_folded_append_gives_the_same_bits_eager_and_replayed(layout, monkeypatch):
+    """The appending lane with the check folded into its two launches (the default on CUDA tensors)
+    against the same lane without any check (TILEATTN_DEBUG_CHECKS=0), bitwise, outputs and caches:
+    eager, replayed from a CUDA graph as captured by default (no value check during capture) and
+    replayed with the checked kernels captured (value checks forced on during the capture). Every
+    call appends the same token at the same lengths, so every cache ends alike."""
+    from tileattn.ops import _validate
+
+    batch, page, rotary = _APPEND_LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(94)
+    q, k_new, v_new = rand(batch, 1, 32, 128, gen=gen), rand(batch, 1, 8, 128, gen=gen), rand(batch, 1, 8, 128, gen=gen)
+    lens = torch.tensor([8000, 17, 4096][:batch], dtype=torch.int32, device="cuda")
+    angles = torch.rand(8192, 64, device="cuda", generator=gen)
+    rope = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin()) if rotary else {}
+    if page:
+        blocks = 8192 // page
+        caches = (rand(batch * blocks + 7, page, 8, 128, gen=gen), rand(batch * blocks + 7, page, 8, 128, gen=gen))
+        table = torch.randperm(batch * blocks + 7, device="cuda", generator=gen)[:batch * blocks]
+        table = table.view(batch, blocks).to(torch.int32)
+    else:
+        caches, table = (rand(batch, 8192, 8, 128, gen=gen), rand(batch, 8192, 8, 128, gen=gen)), None
+
+    def on(kv):
+        return lambda: tileattn.flash_attn_with_kvcache(q, *kv, k=k_new, v=v_new, **rope, cache_seqlens=lens,
+                                                        block_table=table, causal=True, return_softmax_lse=True)
+
+    monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "0")
+    plain_kv = tuple(c.clone() for c in caches)
+    on(plain_kv)()
+    plain = on(plain_kv)()  # the lane, unchecked
+    monkeypatch.delenv("TILEATTN_DEBUG_CHECKS")
+    folded_kv = tuple(c.clone() for c in caches)
+    on(folded_kv)()  # the checked kernels' first launches compile them through Triton's path (not counted)
+    before = _folded_launches("CHECK"), _folded_launches()
+    folded = on(folded_kv)()
+    assert (_folded_launches("CHECK"), _folded_launches()) == (before[0] + 1, before[1] + 1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(folded, plain))
+    assert all(torch.equal(a, b) for a, b in zip(folded_kv, plain_kv))
+
+    for force in (False, True):
+        if force:
+            monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
+        graph_kv = tuple(c.clone() for c in caches)
+        before = _folded_launches("CHECK")
+        graph, _, static = captured(on(graph_kv))
+        assert _folded_launches("CHECK") == before + 2 * force  # the warm-up call's launch, then the capture's
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(static, plain)), f"captured {'folded' if force else 'plain'}"
+        assert all(torch.equal(a, b) for a, b in zip(graph_kv, plain_kv)), f"captured {'folded' if force else 'plain'}"

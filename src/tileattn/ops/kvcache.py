@@ -106,8 +106,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             q, cache_seqlens = plan.appender.step(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
                                                   rotary_sin, q, folded)
-        out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None,
-                             check_cache=folded)
+        if folded:
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None,
+                                 check_cache=True)
+        else:
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None)
         return (out, lse) if return_softmax_lse else out
     q_in = q
     if plan is None:
