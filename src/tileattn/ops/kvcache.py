@@ -103,14 +103,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         folded = V.check_cache_values(cache_seqlens, plan.new_tokens, plan.capacity, block_table, k_cache.shape[1],
                                       k_cache.shape[0], rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
                                       kept=plan, folded=plan.fold)
+        seqused_k = cache_seqlens
         if k is not None:
-            q, cache_seqlens = plan.appender.step(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
-                                                  rotary_sin, q, folded)
+            q, seqused_k = plan.appender.step(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
+                                              rotary_sin, q, folded)
         if folded:
-            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None,
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, seqused_k, block_table, None, None,
                                  check_cache=True)
         else:
-            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None)
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, seqused_k, block_table, None, None)
         return (out, lse) if return_softmax_lse else out
     q_in = q
     if plan is None:
