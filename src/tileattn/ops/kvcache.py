@@ -185,8 +185,8 @@ def _lane_for(plan: "_Checked", q, k_cache, v_cache, k, v, rotary_cos, rotary_si
     if (not plan.lane or cache_seqlens is None or cache_batch_idx is not None or cache_leftpad is not None
             or alibi_slopes is not None or learnable_sink is not None or k_descale is not None):
         return False
-    if k is None:
-        return rotary_cos is None
+    if k is None:  # (rotary tables come with new keys only: check_rotary)
+        return True
     prepare_append = getattr(plan.backend, "prepare_append", None)
     if (prepare_append is None or k.shape[1] == 0 or v.shape[-1] != k.shape[-1]
             or rotary_cos is not None and q.shape[1] != k.shape[1]
