@@ -216,6 +216,36 @@ def test_the_appending_lane_keeps_the_check_apart_where_the_fold_does_not_apply(
             call([5, 11])
 
 
+def test_the_appending_lane_launches_no_check_for_paged_kv_cache_tensors(device_checks, asserting_interpreter,
+                                                                         monkeypatch):
+    """PagedKVCache vouches for its lengths and block table (their values known on the host, checked
+    there): the lane launches the unchecked append and forward alone, as the full path did."""
+    from tileattn.ops import kvcache as kv_ops
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    kv_ops._CHECKED.clear()
+    gen = torch.Generator().manual_seed(95)
+    cache = tileattn.PagedKVCache(1, num_blocks=16, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32)
+    ids = [cache.allocate() for _ in range(2)]
+    for seq_id, n in zip(ids, (3, 7)):
+        cache.reserve([seq_id], n)
+        cache.advance([seq_id], n)
+    q, new = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 2, 16, generator=gen)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+
+    def step():
+        cache.reserve(ids, 1)
+        tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], k=new, v=new, causal=True,
+                                         cache_seqlens=cache.seqlens(ids), block_table=cache.block_table(ids, table))
+        cache.advance(ids, 1)
+
+    step()
+    launches = _count_launches(monkeypatch)
+    step()
+    (plan,) = kv_ops._CHECKED.entries.values()
+    assert launches == ["append", "forward"] and plan.direct and plan.fold
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_an_append_program_that_finds_a_bad_value_writes_nothing(device_checks, monkeypatch, paged):
     """Were the append's device assertion to return (it traps), its program would write no key or value
