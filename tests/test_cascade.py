@@ -137,6 +137,8 @@ def test_cascade_over_an_fp8_pool(device):
     (lambda a: {**a, "prefix_len": torch.tensor([40], dtype=torch.int32)}, IndexError, "prefix_len has 40 keys"),
     (lambda a: {**a, "prefix_block_table": torch.tensor([0, 99], dtype=torch.int32)}, IndexError, "block_table"),
     (lambda a: {**a, "cache_seqlens": torch.tensor([0, 3], dtype=torch.int32)}, ValueError, "suffix"),
+    (lambda a: {**a, "prefix_block_table": torch.stack([a["prefix_block_table"]] * 2, -1)[..., 0]}, ValueError,
+     "prefix_block_table must have a contiguous last dimension"),
     (lambda a: {**a, "k_cache": a["k_cache"].to(torch.float8_e4m3fn), "q": a["q"].bfloat16(),
                 "v_cache": a["v_cache"].to(torch.float8_e4m3fn), "k_descale": torch.ones(2, 2),
                 "v_descale": torch.ones(2, 2)}, ValueError, "needs prefix_k_descale"),

@@ -176,6 +176,14 @@ def test_paged_kv_cache_helper(device):
         [[0, 1], [2, 3]], dtype=torch.int32), "k_cache": a["k_cache"].view(4, 4, 2, 16),
                 "v_cache": a["v_cache"].view(4, 4, 2, 16)}, NotImplementedError, "cache_leftpad with a paged"),
     (lambda a: {**a, "cache_batch_idx": torch.arange(2)}, TypeError, "cache_batch_idx must be int32"),
+    # strided views of the right values (the kernels read a contiguous last dimension)
+    (lambda a: {**a, "cache_seqlens": torch.stack([a["cache_seqlens"]] * 2, -1)[..., 0]}, ValueError,
+     r"cache_seqlens must have a contiguous last dimension \(stride 1\), got stride 2"),
+    (lambda a: {**a, "block_table": torch.stack([torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)] * 2, -1)[..., 0],
+                "k_cache": a["k_cache"].view(4, 4, 2, 16), "v_cache": a["v_cache"].view(4, 4, 2, 16)}, ValueError,
+     "block_table must have a contiguous last dimension"),
+    (lambda a: {**a, "cache_leftpad": torch.zeros(2, 2, dtype=torch.int32)[:, 0]}, ValueError,
+     "cache_leftpad must have a contiguous last dimension"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
     (lambda a: {**a, "k": a["k_new"]}, ValueError, "both k and v"),
     (lambda a: {**a, "return_softmax_lse": "yes"}, TypeError, "return_softmax_lse must be a bool"),
@@ -215,6 +223,24 @@ def test_decode_step_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(static_out, step(), rtol=0, atol=0)
+
+
+def test_a_block_table_view_with_a_row_stride_of_its_own(device):
+    """A block table whose rows are a slice of a wider table (row stride 8, last dimension contiguous):
+    read through its row stride, with and without an append, as the contiguous copy is."""
+    gen = torch.Generator().manual_seed(27)
+    q, k_new = torch.randn(2, 1, 4, 16, generator=gen).to(device), torch.randn(2, 1, 2, 16, generator=gen).to(device)
+    pool = torch.randn(8, 8, 2, 16, generator=gen).to(device)
+    wide = torch.tensor([[3, 1, 0, 2, -1, -1, -1, -1], [7, 6, 5, 4, -1, -1, -1, -1]], dtype=torch.int32).to(device)
+    lens = torch.tensor([5, 20], dtype=torch.int32, device=device)
+    results = []
+    for table in (wide[:, :4], wide[:, :4].contiguous()):
+        k_pool, v_pool = pool.clone(), pool.flip(0).clone()
+        out = tileattn.flash_attn_with_kvcache(q, k_pool, v_pool, k=k_new, v=k_new, cache_seqlens=lens,
+                                               block_table=table, causal=True)
+        results.append((out, k_pool, v_pool))
+    assert wide[:, :4].stride() == (8, 1)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_unused_block_table_entries_may_hold_anything(device):

@@ -105,6 +105,10 @@ def test_varlen_over_a_paged_pool(device):
     (lambda a: {**a, "max_seqlen_q": 2}, ValueError, "max_seqlen"),
     (lambda a: {**a, "max_seqlen_k": 3.5}, TypeError, "max_seqlen_k"),
     (lambda a: {**a, "q": a["q"][None]}, ValueError, "3-D"),
+    (lambda a: {**a, "cu_seqlens_k": torch.stack([a["cu_seqlens_k"]] * 2, -1)[..., 0]}, ValueError,
+     "cu_seqlens_k must have a contiguous last dimension"),
+    (lambda a: {**a, "seqused_k": torch.tensor([[3, 0], [2, 0], [3, 0]], dtype=torch.int32)[:, 0]}, ValueError,
+     "seqused_k must have a contiguous last dimension"),
 ])
 def test_varlen_bad_input_raises(change, error, words):
     lens = [3, 2, 3]

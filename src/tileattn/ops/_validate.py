@@ -270,6 +270,16 @@ def check_int32_vector(name: str, t, length: int, device, what: str = "") -> Non
         fail(ValueError, f"{name} must have shape ({length},){what}, got {tuple(t.shape)}")
     if t.device != device:
         fail(ValueError, f"{name} is on {t.device} but q is on {device}")
+    check_unit_stride(name, t)
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """Lengths, offsets and block tables reach the kernels as a pointer and a row stride: their last
+    dimension must be contiguous (flash-attn requires it of the same arguments). A strided view read
+    as if it were contiguous gives wrong numbers or reads out of bounds, so it is refused here."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(ValueError, f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}: "
+                         f"pass {name}.contiguous()")
 
 
 def check_offsets(cu_seqlens_q, cu_seqlens_k, q) -> int:
@@ -295,6 +305,7 @@ def check_block_table(block_table, batch: int, device) -> None:
         fail(ValueError, f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
     if block_table.device != device:
         fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
+    check_unit_stride("block_table", block_table)
 
 
 def check_new_kv(k, v, k_cache, v_cache, batch: int, dtype=None) -> None:
@@ -426,6 +437,7 @@ def check_prefix(prefix_block_table, prefix_len, device) -> tuple[torch.Tensor, 
         fail(TypeError, "prefix_block_table must be an int32 tensor of shape (prefix_blocks,) or (1, prefix_blocks)")
     if t.device != device:
         fail(ValueError, f"prefix_block_table is on {t.device} but q is on {device}")
+    check_unit_stride("prefix_block_table", t)
     if isinstance(prefix_len, torch.Tensor):
         check_int32_vector("prefix_len", prefix_len, 1, device)
         return t.view(1, -1), prefix_len
