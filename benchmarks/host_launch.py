@@ -14,9 +14,9 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
   launches), every launch direct.
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
-device-side value check's launch and assertion, or the forward kernel's own check where the
-call folds it in, the append, the launcher: a split call's forward launch merging its splits
-itself, ``gpu.combine``), with the kernel launches it makes, for the same
+device-side value check's launch and assertion, or the append's and the forward kernel's own
+checks where the call folds it in, the append, the launcher: a split call's forward launch merging
+its splits itself, ``gpu.combine``), with the kernel launches it makes, for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
 split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run

@@ -296,7 +296,8 @@ def backward_cases():
 
 
 def append_cases():
-    """The KV-cache append: contiguous and paged, with rotary (both pairings, q rotated) or without."""
+    """The KV-cache append: contiguous and paged, with rotary (both pairings, q rotated) or without
+    (writing the new lengths, as the ops layer's decoding lane does)."""
     g = torch.Generator().manual_seed(2)
     k, v = (torch.randn(4, 2, 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(4, 2, 32, 128, generator=g).to(torch.bfloat16)
@@ -306,6 +307,7 @@ def append_cases():
     table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
     cache = torch.randn(4, 128, 8, 128, generator=g).to(torch.bfloat16)
     return [("append contiguous", (cache, cache.clone(), k, v, lens), dict(seqused_out=lens.clone())),
+            ("append paged", (pool, pool.clone(), k, v, lens, table), dict(seqused_out=lens.clone())),
             ("append paged rotary interleaved", (pool, pool.clone(), k, v, lens, table),
              dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=True, q=q)),
             ("append paged fp8 rotary", (pool.to(torch.float8_e4m3fn), pool.to(torch.float8_e4m3fn), k, v, lens, table),
@@ -377,14 +379,22 @@ def forward_variants(launches, q):
 
 
 def checked_variants(todo):
-    """The forward launches over a KV cache that ``FwdPlan.checking_launch`` folds the cache's value
-    check into (``seqused_k``, not packed, no left window): each again as that launch compiles it,
-    ``CHECK_CACHE`` with Triton's ``debug`` option and ``sanitize_overflow`` off."""
+    """The launches the cache's value check is folded into, each again as its checking launch compiles
+    it, with Triton's ``debug`` option and ``sanitize_overflow`` off: the forward over a KV cache
+    (``FwdPlan.checking_launch``: ``seqused_k``, not packed, no left window) with ``CHECK_CACHE``, and
+    every append (``AppendPlan.checking``) with ``CHECK``."""
     for name, fn, args, kwargs in todo:
         if (fn is fwd_launcher._attn_fwd_kernel and kwargs["HAS_SEQUSED_K"] and not kwargs["IS_VARLEN"]
                 and not kwargs["MASK_LEFT"]):
             yield name, fn, args, dict(kwargs, CHECK_CACHE=True, CHECK_BLOCK_P=32 * kwargs["num_warps"], debug=True,
                                        sanitize_overflow=False)
+        elif fn is append_launcher._append_kv_kernel:
+            yield name, fn, args, dict(kwargs, CHECK=True, debug=True, sanitize_overflow=False)
+
+
+def checked(kwargs) -> bool:
+    """Whether a launch has the cache's value check folded in (``checked_variants``)."""
+    return bool(kwargs.get("CHECK_CACHE") or kwargs.get("CHECK"))
 
 
 def wide(meta) -> bool:
@@ -620,16 +630,16 @@ def main() -> int:
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
         todo += [(name + (" merged" if variant[2].get("MERGE_SPLITS") else ""), *variant)
                  for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse, **kwargs), q)]
+    for name, tensors, kwargs in append_cases():
+        todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     todo += [(name + " checked", *launch) for name, *launch in checked_variants(todo)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
-    for name, tensors, kwargs in append_cases():
-        todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     for name, args, kwargs in check_cases():
         for how, launcher in (("", check_launcher.cache_values_ok), (" asserting", asserting_check)):
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
-    plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check or the merge
+    plain_stack = {}  # (case, tile) -> local memory of a forward or append launch without the folded check or the merge
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
                 or (k in ("DYNAMIC", "OVERLAP") and v)}
@@ -649,7 +659,7 @@ def main() -> int:
                 verdict = f"FAIL spills ({usage})"
             elif stack and must_not_spill(fn, kwargs):
                 verdict = f"FAIL the wide tile spills ({usage})"
-            elif (kwargs.get("CHECK_CACHE") or kwargs.get("MERGE_SPLITS")) and stack and not plain_stack.get(
+            elif (checked(kwargs) or kwargs.get("MERGE_SPLITS")) and stack and not plain_stack.get(
                     (name.removesuffix(" checked").removesuffix(" merged"), str(tile))):
                 verdict = f"FAIL the folded check or the merge spills ({usage})"  # where the plain launch does not
             elif gluon and wgmma_serialised(compiled):
@@ -657,7 +667,8 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        if fn is fwd_launcher._attn_fwd_kernel and not kwargs.get("CHECK_CACHE") and not kwargs.get("MERGE_SPLITS"):
+        if (fn in (fwd_launcher._attn_fwd_kernel, append_launcher._append_kv_kernel) and not checked(kwargs)
+                and not kwargs.get("MERGE_SPLITS")):
             plain_stack[name, str(tile)] = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
         failures += not verdict.startswith("ok")
         print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)
