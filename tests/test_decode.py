@@ -498,6 +498,62 @@ def test_the_merge_reads_more_splits_than_one_block(monkeypatch, split_launches)
     assert_within("out", one[0].cpu(), plain_attention(q, k_cache, v_cache)[0], ref_o)
 
 
+def _permute_program_order(monkeypatch, order: str) -> None:
+    """Triton's interpreter runs a launch's programs one after another in grid order (axis 0 outer, axis 1
+    inner), so a split program of the highest index always arrives last at its row block's counter. Here
+    the programs of every launch run in another order instead: ``reversed`` (the last program first, so
+    split 0 arrives last) or ``shuffled`` (a seeded random order of the whole grid)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_idx, orders = builder.set_grid_idx, {}
+
+    def permuted(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        n = nx * ny * nz
+        if (n, order) not in orders:
+            flat = list(range(n))[::-1] if order == "reversed" else torch.randperm(
+                n, generator=torch.Generator().manual_seed(n)).tolist()
+            orders[n, order] = flat
+        f = orders[n, order][(x * ny + y) * nz + z]
+        set_idx(f // (ny * nz), f // nz % ny, f % nz)
+
+    monkeypatch.setattr(builder, "set_grid_idx", permuted)
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_the_merge_is_made_by_whichever_split_arrives_last(monkeypatch, split_launches, order):
+    """The interpreter's programs in another order than the grid's (``_permute_program_order``), so that
+    the split that arrives last at a row block's counter is not the one of the highest index: still one
+    launch, its merged rows bit for bit the two launches' (attention, then the combine, in grid order),
+    and every counter back at zero. The interpreter runs programs one at a time, so this tests which
+    program merges and the counters' reset, not the memory order (the GPU tests do)."""
+    from tileattn.gpu._tuning import interpreting
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    dev = _lane_device(monkeypatch)
+    gen = torch.Generator().manual_seed(47)
+    lens, d = [300, 70, 0], 24
+    q = torch.randn(3, 2, 4, d, generator=gen)
+    k_cache, v_cache = (torch.randn(3, 300, 2, d, generator=gen) for _ in "kv")
+    sinks = torch.randn(4, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                num_splits=5, learnable_sink=sinks, return_softmax_lse=True)
+
+    assert dev == "cpu"
+    two = call()  # grid order: attention, then the combine
+    _permute_program_order(monkeypatch, order)
+    split_launches.clear()
+    one = call()
+    assert split_launches == [True] and _no_counter_left()
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert not one[0].isnan().any()
+
+
 def test_the_merge_rule(monkeypatch):
     """``gpu.combine.eager_counters``, the one rule: a cached zeroed buffer per (device, stream),
     grown when a grid outgrows it, another stream's its own; none while the stream captures a CUDA
