@@ -565,6 +565,7 @@ def test_the_merge_rule(monkeypatch):
     monkeypatch.setattr(combine, "_COUNTERS", {})
     stream, capturing = [7], [False]
     monkeypatch.setattr(_launch, "_current_stream", lambda index: stream[0])
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     plan = SimpleNamespace(merged=object(), device_index=0, device="cpu", grid=(5, 3, 1))
     first = combine.eager_counters(plan)
@@ -583,6 +584,27 @@ def test_the_merge_rule(monkeypatch):
     monkeypatch.setattr(combine, "EAGER_MERGE", True)
     plan.merged = None
     assert combine.eager_counters(plan) is None
+
+
+def test_no_merge_when_the_current_device_is_not_the_tensors(monkeypatch):
+    """A launch goes to the current device's current stream (``_launch.Launch``), while the counters are
+    keyed and zeroed by the tensors' device's current stream: where the two devices differ, a call on
+    cuda:1 tensors from a thread whose current device is 0 would count on the buffer of cuda:1's stream
+    (which a call made with cuda:1 current uses at the same time, unordered) and find it zeroed on another
+    stream than its own. ``eager_counters`` gives none there (the forward and the combine, as main)."""
+    from types import SimpleNamespace
+
+    from tileattn.gpu import _launch, combine
+
+    monkeypatch.setattr(combine, "_COUNTERS", {})
+    current = [0]
+    monkeypatch.setattr(_launch, "_current_device", lambda: current[0])
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: 100 + index)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    plan = SimpleNamespace(merged=object(), device_index=1, device="cpu", grid=(5, 3, 1))
+    assert combine.eager_counters(plan) is None
+    current[0] = 1
+    assert combine.eager_counters(plan) is combine._COUNTERS[1, 101]
 
 
 def test_eager_merge_off_keeps_two_launches(monkeypatch, split_launches):

@@ -23,7 +23,8 @@ docs/perf-notes.md, "eagermerge"). ``EAGER_MERGE = False`` turns the merged form
 Counters: an eager call takes the cached buffer of its (device, stream), which calls on that
 stream use one after another (stream order: a launch starts after the last one's programs have
 zeroed their counters); two streams never share one. A capturing stream takes none (two
-launches), so graphs never hold these buffers.
+launches), so graphs never hold these buffers; nor does a call on tensors of another device than
+the current one (its launch goes to the current device's stream, not the one its key names).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def eager_counters(plan) -> torch.Tensor | None:
     index = plan.device_index
     if index >= 0:
         if torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda.is_current_stream_capturing, one call less
+            return None
+        if _launch._current_device() != index:  # the launch goes to another device's stream than the key's
             return None
         key = (index, _launch._current_stream(index))
     else:  # CPU tensors: Triton's interpreter, one launch at a time
