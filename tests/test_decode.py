@@ -677,13 +677,20 @@ def test_the_merged_eager_call_equals_the_captured_two_launches(layout):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static[0], eager[0]) and torch.equal(static[1], eager[1])
+    for i in range(50):  # more merged calls (each workspace poisoned first): a merge that read a partial
+        again = call()   # before its split's stores were visible would give NaN or other bits, now and then
+        assert torch.equal(again[0], static[0]) and torch.equal(again[1], static[1]), f"eager call {i}"
+    torch.cuda.synchronize()
+    assert _no_counter_left()
 
 
 @pytest.mark.gpu
-def test_merged_eager_calls_on_two_streams_at_once():
-    """Two streams making merged eager calls at once (four calls each per round, issued in turn, 100
-    rounds; a contiguous and a paged step): each stream counts on a buffer of its own, and every
-    result equals its call made alone; all counters zero at the end."""
+def test_merged_eager_calls_on_two_streams_at_once(monkeypatch):
+    """Two streams making merged eager calls at once (four calls each per round, 100 rounds; a contiguous
+    and a paged step): each stream counts on a buffer of its own, and every result equals the same call's
+    two launches (``EAGER_MERGE`` off: forward, then combine). Each round first queues a ~2 ms sleep on
+    both streams, so that the calls (host-bound: one call's kernels end before the next call is issued)
+    wait behind it and the two streams' kernels then run at the same time; all counters zero at the end."""
     from tileattn.gpu import combine
 
     gen = torch.Generator(device="cuda").manual_seed(96)
@@ -693,11 +700,17 @@ def test_merged_eager_calls_on_two_streams_at_once():
         return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
                                                 learnable_sink=sinks, return_softmax_lse=True)
 
-    alone = [[call(*step) for _ in range(3)][-1] for step in steps]  # the last: the lane's, merged
+    for step in steps:
+        call(*step), call(*step)  # the signature's first call, then the lane's (merged) first: compiled
+    with monkeypatch.context() as m:
+        m.setattr(combine, "EAGER_MERGE", False)
+        alone = [call(*step) for step in steps]  # the lane's two launches
     main, streams = torch.cuda.current_stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
     for _ in range(100):
         for stream in streams:
             stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(4_000_000)  # ~2 ms at the H200's clock: the calls below queue behind it
         results = [[], []]
         for _ in range(4):
             for stream, step, got in zip(streams, steps, results):
