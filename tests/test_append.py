@@ -183,9 +183,10 @@ def test_the_appending_lane_checks_the_cache_in_its_two_launches(device_checks, 
         if bad_table is not None and not paged:
             continue
         del launches[:]
+        bad_cache = cache.clone()  # k and v one tensor, as in the signature's calls above (the memo keys that)
         with pytest.raises(Exception, match="tileattn: a KV cache's lengths"):
             call(lens, table if bad_table is None else torch.tensor(bad_table, dtype=torch.int32),
-                 caches=(cache.clone(), cache.clone()))
+                 caches=(bad_cache, bad_cache))
         assert launches[-1] == kernel + "+check" and "check" not in launches, name
 
 
@@ -260,7 +261,8 @@ def test_an_append_program_that_finds_a_bad_value_writes_nothing(device_checks, 
     monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)  # the fold taken, its assertions off
     monkeypatch.setenv("TILEATTN_BACKEND", "triton")
     call, (cache, _), good, _ = _appending_call(paged, False, torch.Generator().manual_seed(93))
-    call(good, caches=(cache.clone(), cache.clone()))
+    first_cache = cache.clone()  # k and v one tensor in every call: one signature (the memo keys that)
+    call(good, caches=(first_cache, first_cache))
     good_cache = cache.clone()
     good_out, good_lse = call(good, caches=(good_cache, good_cache))
     bad_cache = cache.clone()  # sequence 1: a block id past the pool where it writes, or no room left
