@@ -52,6 +52,65 @@ def test_views_are_accepted(device):
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
 
 
+def _last_stride_not_one(gen, case):
+    """q, k, v whose last stride is not 1 although torch counts them contiguous (``.contiguous()``
+    returns them as they are): no elements (a sliced sequence of length 0), or a head dim of 1
+    reached by a transpose."""
+    if case == "head dim 1":
+        return (rand(gen, 2, 5, 1, 4).transpose(2, 3), rand(gen, 2, 7, 1, 2).transpose(2, 3),
+                rand(gen, 2, 7, 1, 2).transpose(2, 3))
+    sq, sk = (0, 6) if case == "no queries" else (6, 0)
+    return (rand(gen, 2, sq, 4, 16)[..., ::2], rand(gen, 2, sk, 2, 16)[..., ::2], rand(gen, 2, sk, 2, 8))
+
+
+@pytest.mark.parametrize("case", ["no keys", "no queries", "head dim 1"])
+def test_views_that_torch_counts_contiguous_train(device, case):
+    """The forward and backward take them and match the reference (the Triton backward stopped
+    on a bare AssertionError: ``.contiguous()`` had left their last stride as it was)."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _last_stride_not_one(gen, case)
+    assert any(t.stride(-1) != 1 and t.is_contiguous() for t in (q, k, v))
+    leaves = [t.to(device).detach().requires_grad_() for t in (q, k, v)]
+    out = tileattn.flash_attn_func(*leaves, causal=True)
+    dout = rand(gen, *out.shape)
+    out.backward(dout.to(device))
+    ref_o, _ = R.attention_naive(*(t.double().numpy() for t in (q, k, v)), causal=True)
+    ref = R.attention_naive_grad(*(t.double().numpy() for t in (q, k, v, dout)), causal=True)
+    for got, r in zip([out] + [t.grad for t in leaves], (ref_o, *ref)):
+        assert got.shape == r.shape
+        np.testing.assert_allclose(got.detach().cpu().double().numpy(), r, atol=1e-5)
+
+
+def test_varlen_views_that_torch_counts_contiguous_train(device):
+    """A packed batch of no query tokens, q sliced in its last dim: gradients (zero) come back."""
+    gen = torch.Generator().manual_seed(13)
+    q = rand(gen, 0, 4, 32)[..., ::2].to(device).requires_grad_()
+    k, v = (rand(gen, 9, 2, 16).to(device).requires_grad_() for _ in range(2))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 0, 0], [0, 4, 9]))
+    out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 5, causal=True)
+    (out * 2).sum().backward()
+    assert q.grad.shape == q.shape and not k.grad.any() and not v.grad.any()
+
+
+def test_heads_two_gigaelements_apart_train(device):
+    """q with its heads 2**30 + 64 elements apart (the head index x head stride passes 2**31): the
+    Triton backward's int32 head offsets wrapped around (a segfault in the interpreter); twice, as
+    the second call of a signature takes the prepared launch."""
+    gen = torch.Generator().manual_seed(14)
+    head_stride, (B, S, H, D) = 2**30 + 64, (1, 9, 3, 16)
+    store = torch.empty((H - 1) * head_stride + S * D, device=device)
+    q = store.as_strided((B, S, H, D), (S * D, D, head_stride, 1))
+    q.copy_(rand(gen, B, S, H, D))
+    k, v = rand(gen, B, S, H, D).to(device), rand(gen, B, S, H, D).to(device)
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        dout = rand(gen, B, S, H, D)
+        tileattn.flash_attn_func(*leaves, causal=True).backward(dout.to(device))
+        ref = R.attention_naive_grad(*(t.detach().cpu().double().numpy() for t in (q, k, v, dout)), causal=True)
+        for got, r in zip((t.grad for t in leaves), ref):
+            np.testing.assert_allclose(got.cpu().double().numpy(), r, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal,window,softcap,alibi", [(True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
                                                         (True, (-1, -1), 3.0, True)])
 def test_gradients_match_reference(device, causal, window, softcap, alibi):
@@ -149,6 +208,38 @@ def test_merge_states_is_exact():
     assert torch.equal(o2, a) and torch.equal(l2, lse_a)
     o3, l3 = tileattn.merge_states(torch.zeros_like(a), empty, torch.zeros_like(a), empty)
     assert torch.isneginf(l3).all() and torch.equal(o3, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("merge", ["merge_states", "merge_many"])
+def test_merge_gradients_of_rows_empty_in_every_part(merge):
+    """A row that no part saw (lse -inf in each) has zero gradients, as the rows that some part saw
+    have theirs (against the float64 gradient of the same merge written out per row): the
+    log-sum-exp of -inf alone gave NaN to every part's lse, even from a loss on o alone."""
+    gen = torch.Generator().manual_seed(9)
+    o_a, o_b = rand(gen, 2, 3, 2, 4), rand(gen, 2, 3, 2, 4)
+    lse_a, lse_b = rand(gen, 2, 2, 3), rand(gen, 2, 2, 3)
+    lse_a[0, 1, 2] = lse_b[0, 1, 2] = float("-inf")  # empty in both: merged (0, -inf)
+    lse_a[1, 0, 0] = float("-inf")  # empty in one part only
+    o_a[0, 2, 1] = o_b[0, 2, 1] = 0.0
+    dout, dlse = rand(gen, 2, 3, 2, 4), rand(gen, 2, 2, 3)
+    leaves = [t.clone().requires_grad_(True) for t in (o_a, lse_a, o_b, lse_b)]
+    if merge == "merge_states":
+        o, lse = tileattn.merge_states(*leaves)
+    else:
+        o, lse = tileattn.merge_many(leaves[0::2], leaves[1::2])
+    assert torch.isneginf(lse[0, 1, 2]) and torch.equal(o[0, 2, 1], torch.zeros(4))
+    ((o * dout).sum() + torch.where(torch.isneginf(lse), 0.0, lse * dlse).sum()).backward()
+    # float64: per row, lse = log(e^a + e^b) over the parts that saw a key, o their weighted sum
+    ref = [t.double().clone().requires_grad_(True) for t in (o_a, lse_a, o_b, lse_b)]
+    seen = ~(torch.isneginf(lse_a) & torch.isneginf(lse_b))
+    parts = [torch.where(seen, ref[i], 0.0) for i in (1, 3)]  # the empty row left out of the graph
+    lse_ref = torch.logaddexp(*parts)
+    w_a, w_b = (torch.exp(p - lse_ref).where(seen, 0.0).transpose(1, 2)[..., None] for p in parts)
+    o_ref = w_a * ref[0] + w_b * ref[2]
+    ((o_ref * dout.double()).sum() + (lse_ref * dlse.double()).where(seen, 0.0).sum()).backward()
+    for name, leaf, r in zip(("o_a", "lse_a", "o_b", "lse_b"), leaves, ref):
+        assert torch.isfinite(leaf.grad).all(), f"{name}: gradient not finite"
+        torch.testing.assert_close(leaf.grad.double(), r.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -135,7 +135,8 @@ def test_cascade_over_an_fp8_pool(device):
 @pytest.mark.parametrize("change,error,words", [
     (lambda a: {**a, "prefix_block_table": a["prefix_block_table"].long()}, TypeError, "prefix_block_table"),
     (lambda a: {**a, "prefix_len": torch.tensor([40], dtype=torch.int32)}, IndexError, "prefix_len has 40 keys"),
-    (lambda a: {**a, "prefix_block_table": torch.tensor([0, 99], dtype=torch.int32)}, IndexError, "block_table"),
+    (lambda a: {**a, "prefix_block_table": torch.tensor([0, 99], dtype=torch.int32)}, IndexError,
+     "prefix_block_table entries in use must index the cache's 10 blocks"),  # blocks of the pool, not rows
     (lambda a: {**a, "cache_seqlens": torch.tensor([0, 3], dtype=torch.int32)}, ValueError, "suffix"),
     (lambda a: {**a, "prefix_block_table": torch.stack([a["prefix_block_table"]] * 2, -1)[..., 0]}, ValueError,
      "prefix_block_table must have a contiguous last dimension"),

@@ -159,6 +159,33 @@ def test_paged_kv_cache_helper(device):
 
 
 @pytest.mark.parametrize("change,error,words", [
+    (lambda a: {**a, "v": a["v"].double()}, TypeError, "v must have the pool's dtype torch.float32"),
+    (lambda a: {**a, "k": a["k"][:, :1], "v": a["v"][:, :1]}, ValueError, r"k must be packed \(total, 2, 16\)"),
+    (lambda a: {**a, "v": a["v"][..., :1]}, ValueError, r"v must be packed \(total, 2, 16\)"),
+    (lambda a: {**a, "v": a["v"][:7]}, ValueError, "one number of tokens"),
+    (lambda a: {**a, "cu_seqlens": [1, 6, 9]}, ValueError, "cu_seqlens must start at 0"),
+    (lambda a: {**a, "cu_seqlens": [0, 6, 8]}, ValueError, r"end at the number of packed tokens \(9\)"),
+    (lambda a: {**a, "cu_seqlens": torch.tensor([0, 6.0, 9.0])}, TypeError, "cu_seqlens must hold integers"),
+    (lambda a: {**a, "layer": 1}, IndexError, r"layer must be an int in 0..0"),
+    (lambda a: {**a, "layer": -1}, IndexError, r"layer must be an int in 0..0"),
+])
+def test_paged_kv_cache_write_refuses_before_writing(change, error, words):
+    """write_packed checks the tokens against the pool before writing: v in another dtype used to
+    fail after k was written (a half-written layer), and a single head or feature was broadcast
+    to every head by index_put without a word; offsets past 0 failed inside torch."""
+    gen = torch.Generator().manual_seed(25)
+    cache = tileattn.PagedKVCache(1, num_blocks=10, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32)
+    a, b = cache.allocate(), cache.allocate()
+    cache.reserve([a], 6)
+    cache.reserve([b], 3)
+    args = change(dict(layer=0, seq_ids=[a, b], k=torch.randn(9, 2, 16, generator=gen),
+                       v=torch.randn(9, 2, 16, generator=gen), cu_seqlens=[0, 6, 9]))
+    with pytest.raises(error, match=words):
+        cache.write_packed(**args)
+    assert not cache.k_cache[0].any() and not cache.v_cache[0].any()  # nothing written
+
+
+@pytest.mark.parametrize("change,error,words", [
     (lambda a: {**a, "cache_seqlens": torch.tensor([3, 9], dtype=torch.int32)}, IndexError, "capacity"),
     (lambda a: {**a, "cache_seqlens": torch.tensor([3, 7], dtype=torch.int32), "k": a["k_new"], "v": a["k_new"]},
      IndexError, "room"),

@@ -336,6 +336,34 @@ def test_wide_head_dims_decode_on_the_triton_path(triton_path, d, dv, share, dty
     check_per_sequence(out, q, k, v, lengths)
 
 
+@pytest.mark.parametrize("first_shared", [True, False])
+@pytest.mark.parametrize("api", ["kvcache", "func"])
+def test_latent_view_and_a_separate_v_of_one_shape_do_not_share_a_launch(triton_path, api, first_shared):
+    """The launch a signature keeps (``ops._memo``) for a v that is a view of k[..., :dv] reads the
+    value tile from the key tile; a later call whose v has the same shape and strides but is another
+    tensor (or the other way round) must not take it. Before the memo keyed whether v starts where k
+    does, the second call read k's leading columns as its values: silently wrong numbers."""
+    from tileattn.ops import attention, kvcache
+
+    attention._CHECKED.clear()  # no launch kept by an earlier test: the first call here makes it
+    kvcache._CHECKED.clear()
+    gen = torch.Generator().manual_seed(5 + first_shared)
+    d, dv, lengths = 320, 256, [13, 5]
+    q = rand(gen, 2, 1, 2, d)
+    k = rand(gen, 2, 16, 1, d).to(DEVICE)
+    other = rand(gen, 2, 16, 1, d).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    values = (k[..., :dv], other[..., :dv]) if first_shared else (other[..., :dv], k[..., :dv])
+    assert values[0].stride() == values[1].stride()
+    for v in values:
+        if api == "kvcache":
+            out = tileattn.flash_attn_with_kvcache(q.to(DEVICE), k, v, cache_seqlens=lens)
+            check_per_sequence(out, q, k, v, lengths, causal=False)
+        else:
+            out = tileattn.flash_attn_func(q.to(DEVICE), k, v)
+            check_per_sequence(out, q, k, v, [16, 16], causal=False)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k,nheads", [(20, 45, 2), (70, 45, 2), (1, 33, 128)])
 def test_wide_prefill_on_the_triton_path(triton_path, seqlen_q, seqlen_k, nheads):
     """The latent's 576/512 through flash_attn_func without gradients: queries packed per head group

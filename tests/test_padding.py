@@ -90,6 +90,7 @@ def test_sample_packing_splits_each_row_into_its_sequences():
     (lambda h: unpad_input(h, torch.ones(2, 4)), TypeError, "0/1 as bool or integers"),
     (lambda h: unpad_input(h, torch.ones(2, 3, dtype=torch.int64)), ValueError, "hidden_states starts with"),
     (lambda h: unpad_input(h, torch.full((2, 4), 2)), ValueError, "only 0 and 1"),
+    (lambda h: unpad_input(h, torch.tensor([[1, -1, 0, 1], [1, 1, 0, 0]])), ValueError, r"found \[-1\]"),
     (lambda h: unpad_input(h, torch.ones(2, 4, dtype=torch.bool), torch.ones(2, 4, dtype=torch.bool)), ValueError,
      "overlap"),
     (lambda h: pad_input(h[0], torch.tensor([0, 1, 2, 8]), 2, 4), IndexError, "within 0..7"),

@@ -153,6 +153,40 @@ def test_strided_views_and_noncontiguous_dout():
     _check(fast, _plain_grads(q, k, v, dout, causal=True), ref)
 
 
+def _heads_apart(tensors, head_stride):
+    """Views of ``tensors`` (B, S, H, D) in one storage, each head ``head_stride`` elements after the
+    previous one: a layout whose head index x head stride passes 2**31 while each stride fits int32.
+    The storage is allocated but only the views' elements are written (on a CPU, pages untouched
+    stay unallocated); a gradient view starts as NaN."""
+    sizes = [t.numel() // t.shape[2] for t in tensors]
+    nheads = max(t.shape[2] for t in tensors)
+    store = torch.empty((nheads - 1) * head_stride + sum(sizes), dtype=tensors[0].dtype, device=DEVICE)
+    views, start = [], 0
+    for t, size in zip(tensors, sizes):
+        B, S, H, D = t.shape
+        view = store.as_strided(t.shape, (S * D, D, head_stride, 1), start)
+        view.copy_(t)
+        views.append(view)
+        start += size
+    return views
+
+
+def test_heads_two_gigaelements_apart():
+    """q, k, v, dout and dq, dk, dv with heads 2**30 + 64 elements apart: the kernels' head offsets
+    (an int32 product) wrapped around and read out of bounds (a segfault in the interpreter). They
+    run on contiguous copies now, and give the reference's gradients."""
+    dtype = torch.float16
+    q, k, v, dout = _inputs(23, 2, 21, 19, 3, 3, 16, dtype)
+    out64, lse64 = reference.attention_naive(*_np(q, k, v), causal=True)
+    out = torch.from_numpy(out64).to(dtype).to(DEVICE)
+    lse = torch.from_numpy(lse64).to(torch.float32).to(DEVICE)
+    views = _heads_apart([dout, q, k, v, *_poisoned(q, k, v)], 2**30 + 64)
+    attn_bwd(*views[:4], out, lse, *views[4:], params=_params(16, causal=True))
+    fast = [t.cpu() for t in views[4:]]
+    ref = reference.attention_naive_grad(*_np(q, k, v, dout), causal=True)
+    _check(fast, _plain_grads(q, k, v, dout, causal=True), ref)
+
+
 def test_deterministic_is_bitwise_reproducible():
     q, k, v, dout = _inputs(31, 1, 60, 60, 4, 1, 32, torch.bfloat16)
     first = _run_dense(q, k, v, dout, causal=True, deterministic=True)

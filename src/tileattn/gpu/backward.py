@@ -138,10 +138,42 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
     assert (learnable_sink is None) == (dsink is None)
     if dout.stride(-1) != 1:  # autograd hands over any gradient (an expanded one has stride 0)
         dout = dout.contiguous()
+    packed = cu_seqlens_q is not None
+    if not all(offsets_fit_int32(t, packed) for t in (dout, q, k, v, out, dq, dk, dv)):
+        _bwd_on_copies(dout, q, k, v, out, lse, dq, dk, dv, params=params, alibi_slopes=alibi_slopes,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, deterministic=deterministic, dlse=dlse,
+                       learnable_sink=learnable_sink, dsink=dsink)
+        return
     plan = _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, deterministic, dlse, learnable_sink)
     plan.run(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dlse,
              learnable_sink, dsink)
+
+
+_I32_LIMIT = 2**31
+_MAX_TILE_ROWS = 256  # no tile of the backward (portable or Gluon) has more rows
+
+
+def offsets_fit_int32(t: torch.Tensor, packed: bool) -> bool:
+    """Whether the backward kernels' int32 offset products stay in range for ``t`` (B, S, H, D), or
+    packed (T, H, D): a head index times the head stride, and a tile's rows times the row stride
+    (batch and sequence starts are int64 there; the forward kernels use int64 throughout). Every
+    contiguous tensor fits; a view whose heads lie 2**31 elements apart or more (heads first,
+    (B, H, S, D).transpose(1, 2) with H * S * D >= 2**31 per batch) does not."""
+    row, head = (0, 1) if packed else (1, 2)
+    return t.stride(head) * max(t.shape[head] - 1, 0) < _I32_LIMIT and t.stride(row) * _MAX_TILE_ROWS < _I32_LIMIT
+
+
+def _bwd_on_copies(dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
+    """``attn_bwd`` on contiguous copies of the inputs, into contiguous gradients copied to dq, dk,
+    dv afterwards: for tensors whose strides ``offsets_fit_int32`` refuses (read as they are, an
+    offset wrapped around: a segfault in the interpreter, reads and writes out of bounds on a GPU)."""
+    dout, q, k, v, out = (t.clone(memory_format=torch.contiguous_format) for t in (dout, q, k, v, out))
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dq, dk, dv)]
+    attn_bwd(dout, q, k, v, out, lse, *grads, **options)
+    for dst, src in zip((dq, dk, dv), grads):
+        dst.copy_(src)
 
 
 def _plan(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -179,14 +211,16 @@ def prepare_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes, cu
     """``attn_bwd`` decided once for every later call whose q, k, v, out, lse, dq, dk, dv, ALiBi
     slopes and sinks have these tensors' metadata and whose options are these (the caller vouches
     for them: the ops layer's memo entry of a forward signature, ``ops._custom.GraphLane``, after
-    that signature's first backward), or None where it cannot be: packed (varlen) calls and
-    dropout (a seed per call). The Hopper rule's part that these fix (``bwd_signature_reason``)
-    is asked here. The prepared launch checks per call what autograd may change (dO's strides and
+    that signature's first backward), or None where it cannot be: packed (varlen) calls,
+    dropout (a seed per call) and layouts ``offsets_fit_int32`` refuses (copied per call). The
+    Hopper rule's part that these fix (``bwd_signature_reason``) is asked here. The prepared launch checks per call what autograd may change (dO's strides and
     dtype, whether a gradient reaches the LSE and its layout) and, where that part said yes, asks
     the rest (``call_reason``: the environment, the pointers' alignment); anything new goes to
     ``attn_bwd``."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None or params.dropout_p > 0:
         return None
+    if not all(offsets_fit_int32(t, False) for t in (dout, q, k, v, out, dq, dk, dv)):
+        return None  # attn_bwd's copies, every call
     hopper = bwd_signature_reason(dout, q, k, v, dq, dk, dv, params, alibi_slopes=alibi_slopes) is None
     return PreparedBwd(params, max_seqlen_q, max_seqlen_k, bool(deterministic), (dout.stride(), dout.dtype),
                        None if dlse is None else (dlse.stride(), dlse.dtype), kernel_scalars(params, q.shape[-2]),

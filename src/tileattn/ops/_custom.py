@@ -147,7 +147,7 @@ def _grad_out(dout, out):
     unit last stride (autograd hands over any gradient; an expanded one has stride 0)."""
     if dout is None:
         return torch.zeros_like(out)
-    return dout if dout.stride(-1) == 1 else dout.contiguous()
+    return dout if dout.stride(-1) == 1 else dout.clone(memory_format=torch.contiguous_format)  # V.last_dim_contiguous
 
 
 def _no_cache_gradients(has_cache: bool) -> None:

@@ -7,9 +7,13 @@ function keys what they returned (``AttnParams``, capacities, ...) on ``signatur
 runs them again only for a signature it has not seen pass. A key holds everything such a
 check reads: per tensor its type, shape, strides, dtype, device and requires_grad; per option
 its type and value (``True`` and ``1`` differ: one passes ``check_flags``, the other not);
-the ``TILEATTN_BACKEND`` value and grad mode. Checks of tensor *values* (lengths, block
-tables) are no part of it and run on every call, as do the checks that return a tensor
-derived from this call's (``check_alibi``, ``check_sink``, ``cache_lengths``, ...).
+the ``TILEATTN_BACKEND`` value and grad mode; and whether v starts where k does (``kv``): a
+``v`` that is a view of ``k[..., :headdim_v]`` (MLA's latent) is read from the key tile by the
+Triton plans (``gpu.attention._v_is_k``), so a launch kept for such a call must not serve a
+call whose v is another tensor of the same shape and strides, nor the other way round.
+Checks of tensor *values* (lengths, block tables) are no part of it and run on every call, as
+do the checks that return a tensor derived from this call's (``check_alibi``, ``check_sink``,
+``cache_lengths``, ...).
 
 An entry also keeps what the call's launch needs (``_custom.prepare``; on the Triton backend the
 plan, its arguments, the output shapes and the value check's launch; on the CPU tiles the bound
@@ -32,10 +36,11 @@ __all__ = ["Memo", "signature"]
 _OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
 
 
-def signature(tensors: tuple, options: tuple, window_size) -> tuple | None:
+def signature(tensors: tuple, options: tuple, window_size, kv: tuple[int, int] | None = None) -> tuple | None:
     """A hashable key of ``tensors`` (each a ``torch.Tensor`` or None), ``options`` (plain bools,
     ints, floats, strings or None) and ``window_size`` (a tuple of two ints), or None where one
-    of them is anything else."""
+    of them is anything else. ``kv``: the positions of k and v in ``tensors`` (callers that take
+    them), whose sharing of a start address is then part of the key (the module docstring)."""
     kinds = tuple(map(type, options))
     if (not _OPTION_TYPES.issuperset(kinds) or type(window_size) is not tuple or len(window_size) != 2
             or type(window_size[0]) is not int or type(window_size[1]) is not int
@@ -49,6 +54,9 @@ def signature(tensors: tuple, options: tuple, window_size) -> tuple | None:
             key.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
         else:
             return None
+    if kv is not None:
+        k, v = tensors[kv[0]], tensors[kv[1]]
+        key.append(k is not None and v is not None and k.data_ptr() == v.data_ptr())
     return tuple(key)
 
 

@@ -240,9 +240,14 @@ def check_backward(batch: int, q, k, v, learnable_sink=None) -> None:
 
 
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Kernels take any strides but a unit stride on the last dim; copy only when needed."""
+    """Kernels take any strides but a unit stride on the last dim; copy only when needed.
+
+    Not ``t.contiguous()``: torch counts a tensor without elements, or one whose last dim has
+    size 1, as contiguous whatever its last stride (``x[..., ::2]`` of a sequence of length 0,
+    a head dim of 1 reached by a transpose) and returns it as it is; the Triton backward then
+    stopped on a bare AssertionError after the forward had run."""
     if t is not None and t.stride(-1) != 1:
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
@@ -328,6 +333,33 @@ def check_new_kv(k, v, k_cache, v_cache, batch: int, dtype=None) -> None:
     if k.shape[:-1] != v.shape[:-1]:
         fail(ValueError, f"new k and v must have one shape but the head dim, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
+
+
+def check_packed_tokens(layer, k_pools: list, v_pools: list, k, v, offsets: list) -> None:
+    """``PagedKVCache.write_packed``'s layer, tokens and offsets, before anything is written: k, v
+    packed (total, nheads_k, headdim) as the layer's pools hold them (index_put would broadcast a
+    single head or feature, or write k and then fail on v), on the pools' device, in their dtype
+    (any floating dtype for a float8_e4m3fn pool, which quantises them), and offsets that start at
+    0 and end at the tokens' count (flash-attn's cu_seqlens)."""
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) or not 0 <= layer < len(k_pools):
+        fail(IndexError, f"write_packed: layer must be an int in 0..{len(k_pools) - 1}, got {layer!r}")
+    for name, t, pool in (("k", k, k_pools[layer]), ("v", v, v_pools[layer])):
+        want = (pool.shape[2], pool.shape[3])
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != want:
+            fail(ValueError, f"write_packed: {name} must be packed (total, {want[0]}, {want[1]}) as the pool holds "
+                             f"tokens, got {tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+        if t.device != pool.device:
+            fail(ValueError, f"write_packed: {name} is on {t.device} but the pool is on {pool.device}")
+        if not (t.is_floating_point() if is_fp8(pool) else t.dtype == pool.dtype):
+            fail(TypeError, f"write_packed: {name} must have the pool's dtype {pool.dtype}"
+                            f"{' or be floating point (quantised as written)' if is_fp8(pool) else ''}, got {t.dtype}")
+    if k.shape[0] != v.shape[0]:
+        fail(ValueError, f"write_packed: k and v must hold one number of tokens, got {k.shape[0]} and {v.shape[0]}")
+    if any(isinstance(o, (bool, np.bool_)) or not isinstance(o, numbers.Integral) for o in offsets):
+        fail(TypeError, f"write_packed: cu_seqlens must hold integers, got {offsets}")
+    if offsets and (offsets[0] != 0 or offsets[-1] != k.shape[0]):
+        fail(ValueError, f"write_packed: cu_seqlens must start at 0 and end at the number of packed tokens "
+                         f"({k.shape[0]}), got {offsets[0]} ... {offsets[-1]}")
 
 
 def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = "", v_cache=None):
@@ -621,7 +653,7 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
         in_use = entries[np.arange(entries.shape[1])[None, :] < pages[:, None]]
         if in_use.size and (in_use.min() < 0 or in_use.max() >= num_blocks):
             fail(IndexError, f"{table_name} entries in use must index the cache's {num_blocks} "
-                             f"{'blocks' if table_name == 'block_table' else 'rows'}, found "
+                             f"{'rows' if table_name == 'cache_batch_idx' else 'blocks'}, found "
                              f"{in_use.min()}..{in_use.max()}")
 
 

@@ -86,7 +86,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     O(N^2) tensor meant for tests, as in flash-attn.
     """
     key = signature((q, k, v, alibi_slopes, learnable_sink),
-                    (dropout_p, softmax_scale, causal, softcap, deterministic, return_attn_probs), window_size)
+                    (dropout_p, softmax_scale, causal, softcap, deterministic, return_attn_probs), window_size,
+                    kv=(1, 2))
     checked = _CHECKED.get(key)
     if checked is None:  # the metadata checks, once per signature (``_memo``)
         checked = _check(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

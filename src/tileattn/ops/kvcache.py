@@ -87,7 +87,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # of metadata run once per signature (``_memo``); those that read values run on every call.
     key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
-                    (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size)
+                    (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size,
+                    kv=(1, 2))
     plan = _CHECKED.get(key)
     if (plan is not None and plan.lane and k is None and rotary_cos is None and cache_batch_idx is None
             and cache_leftpad is None and alibi_slopes is None and learnable_sink is None and k_descale is None

@@ -28,6 +28,16 @@ def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return w.transpose(-1, -2).unsqueeze(-1)
 
 
+def _empty_safe(combine, lses: tuple, empty: torch.Tensor) -> torch.Tensor:
+    """``combine(*lses)`` (logaddexp, logsumexp) with -inf where every part is empty, whose gradient
+    is 0 there: the log-sum-exp of -inf alone is -inf, but its backward divides by exp(-inf) and
+    gives NaN (to every part's lse, even from a loss on o alone). The parts' entries of such rows
+    are combined as zeros instead and the result put back to -inf; the other rows are untouched."""
+    zero = torch.zeros((), dtype=lses[0].dtype, device=lses[0].device)
+    lse = combine(*(torch.where(empty, zero, x) for x in lses))
+    return torch.where(empty, torch.full_like(zero, float("-inf")), lse)
+
+
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
     """Merge two partial states; returns ``(o, lse)`` with o in o_a's dtype and lse in fp32."""
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
@@ -38,7 +48,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
                          "expected o (..., seqlen, nheads, headdim) with lse (..., nheads, seqlen)")
     acc = torch.promote_types(torch.float32, lse_a.dtype)
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
-    lse = torch.logaddexp(lse_a, lse_b)
+    lse = _empty_safe(torch.logaddexp, (lse_a, lse_b), torch.isneginf(lse_a) & torch.isneginf(lse_b))
     o = _weight(lse_a, lse) * o_a.to(acc) + _weight(lse_b, lse) * o_b.to(acc)
     return o.to(o_a.dtype), lse
 
@@ -49,7 +59,7 @@ def merge_many(outs, lses):
         raise ValueError("merge_many needs as many lse tensors as outputs, at least one")
     acc = torch.promote_types(torch.float32, lses[0].dtype)
     lse_all = torch.stack([x.to(acc) for x in lses])  # [S, ..., H, Sq]
-    lse = torch.logsumexp(lse_all, dim=0)
+    lse = _empty_safe(lambda x: torch.logsumexp(x, dim=0), (lse_all,), torch.isneginf(lse_all).all(0))
     o = sum(_weight(l_i, lse) * o_i.to(acc) for o_i, l_i in zip(outs, lse_all))
     return o.to(outs[0].dtype), lse
 

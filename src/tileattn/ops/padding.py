@@ -66,8 +66,10 @@ def _mask_lengths(name: str, mask, hidden_states) -> torch.Tensor:
     if mask.dtype != torch.bool:
         if mask.is_floating_point() or mask.is_complex():
             V.fail(TypeError, f"{name} must hold 0/1 as bool or integers, got {mask.dtype}")
-        if bool(((mask != 0) & (mask != 1)).any()):
-            V.fail(ValueError, f"{name} must hold only 0 and 1 (1 = a real token), found {int(mask.max())}")
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():  # name the offending values: the mask's max is 1 when they are negative
+            V.fail(ValueError, f"{name} must hold only 0 and 1 (1 = a real token), found "
+                               f"{bad.unique()[:4].tolist()}")
         mask = mask.bool()
     return mask
 

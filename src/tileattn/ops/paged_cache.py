@@ -31,7 +31,7 @@ import itertools
 
 import torch
 
-from ._validate import vouch
+from ._validate import check_packed_tokens, vouch
 from .fp8 import FP8_DTYPE, quantize
 
 __all__ = ["PagedKVCache"]
@@ -139,16 +139,18 @@ class PagedKVCache:
         """Scatter packed tokens k, v (total, nheads_k, headdim) after each sequence's length.
 
         Sequence ``seq_ids[b]`` receives rows cu_seqlens[b]:cu_seqlens[b+1] (a list or a CPU
-        tensor; a CUDA tensor costs a device-to-host copy). Call ``reserve`` before and
+        tensor of integers from 0 to k.shape[0]; a CUDA tensor costs a device-to-host copy); k and v
+        come in the pool's dtype (any floating dtype for an FP8 pool) and shape per token. Call ``reserve`` before and
         ``advance`` after writing all layers. A float8_e4m3fn pool needs ``k_descale`` and
         ``v_descale`` (len(seq_ids), nheads_k) fp32: row b quantises sequence b's tokens
         (``tileattn.ops.fp8.quantize``) and is what attention over them must be given.
         """
         ids = self._ids(seq_ids)
         offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-        if len(offsets) != len(ids) + 1 or offsets[-1] != k.shape[0] or k.shape != v.shape:
-            raise ValueError("write_packed: cu_seqlens must have len(seq_ids) + 1 entries ending at k.shape[0], "
-                             "and k, v one shape")
+        if len(offsets) != len(ids) + 1:
+            raise ValueError(f"write_packed: cu_seqlens must have len(seq_ids) + 1 = {len(ids) + 1} entries, got "
+                             f"{len(offsets)}")
+        check_packed_tokens(layer, self.k_cache, self.v_cache, k, v, offsets)
         fp8 = self.k_cache[layer].dtype == FP8_DTYPE
         want = (len(ids), self.k_cache[layer].shape[2])
         for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
