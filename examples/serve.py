@@ -329,15 +329,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
+def at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+        return value
+
+    return parse
+
+
+at_least_one = at_least(1)
 
 
 def a_device(text: str) -> torch.device:
@@ -363,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=at_least_one, default=6, help="prompts to serve (default 6)")
     parser.add_argument("--slots", type=at_least_one, default=4,
                         help="requests decoded at once, the batch of each decoding step (default 4)")
-    parser.add_argument("--max-new", type=at_least_one, default=32,
-                        help="new tokens of the longest answer; the others are shorter, at least 2 (default 32)")
+    parser.add_argument("--max-new", type=at_least(2), default=32,
+                        help="new tokens of the longest answer, 2 or more; the others are shorter, at least 2 "
+                             "(default 32)")
     parser.add_argument("--block-size", type=at_least_one, default=16,
                         help="tokens per block of the paged KV cache (default 16)")
     parser.add_argument("--no-graph", action="store_true", help="on CUDA, decode without a CUDA graph")

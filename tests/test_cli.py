@@ -182,6 +182,25 @@ def test_trace_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_trace_plot_writes_the_file_named(tmp_path):
+    """A name without a suffix gets a PNG under that very name (the message says where it went);
+    a folder or a suffix matplotlib cannot write is refused before anything is computed."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "trace"
+    cli.main(["trace", "--keys", "5", "--plot", str(path)])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "trace.png").exists()
+    for plot, message in ((tmp_path, "is a folder"), (tmp_path / "trace.xyz", "no figure format '.xyz'")):
+        proc = subprocess.run([sys.executable, "-m", "tileattn.cli", "trace", "--plot", str(plot)],
+                              capture_output=True, text=True, env=ENV, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+        assert proc.stdout == ""
+
+
+def test_memory_tile_is_no_larger_than_the_sequence():
+    row = teaching.memory_row(3, block=1000)
+    assert row.tile_bytes == row.scores_bytes == 3 * 3 * 8
+
+
 def test_trace_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     with pytest.raises(SystemExit) as exit_:
@@ -263,6 +282,11 @@ def test_help_reads_at_80_columns(command, monkeypatch, capsys):
     (["bench", "--repeats", "0"], "argument --repeats: must be >= 1 (got 0)"),
     (["bench", "--warmup", "-1"], "argument --warmup: must be >= 0 (got -1)"),
     (["trace", "--plot", "no/such/folder/trace.png"], "--plot: no folder no/such/folder to write into"),
+    (["trace", "--seed", "-1"], "argument --seed: must be >= 0 (got -1)"),
+    (["demo", "--seed", "-3"], "argument --seed: must be >= 0 (got -3)"),
+    (["trace", "--sink", "inf"], "argument --sink: must be a finite number or -inf (got inf)"),
+    (["trace", "--sink", "nan"], "argument --sink: must be a finite number or -inf (got nan)"),
+    (["trace", "--sink", "big"], "argument --sink: 'big' is not a number"),
     (["teach"], "argument COMMAND: invalid choice: 'teach'"),
     ([], "the following arguments are required: COMMAND"),
 ])

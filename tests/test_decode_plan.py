@@ -55,6 +55,31 @@ def test_plan_runs_each_layer_as_flash_attn_with_kvcache(device, paged, rotary):
         assert not got[0].isnan().any()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "left-padded"])
+def test_a_plan_reads_the_lengths_as_they_are_when_it_runs(device, layout):
+    """A plan's appending runs after cache_seqlens advanced in place (the lengths a replayed graph
+    sees): the new keys go to the new positions and attention reads the lengths the append wrote,
+    equal to flash_attn_with_kvcache's call with the new lengths (before: attention over the
+    lengths worked out when the plan was made, off by the step's new key)."""
+    gen = torch.Generator().manual_seed(87)
+    lens, table, layers = _layers(gen, 1, 3, 32, layout == "paged", device)
+    extra = {} if layout != "left-padded" else {"cache_leftpad": torch.tensor([1, 0, 4], dtype=torch.int32,
+                                                                                device=device)}
+    q, k_cache, v_cache, k_new, v_new = layers[0]
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, table, seqlen_new=1, causal=True, return_softmax_lse=True,
+                               **extra)
+    k_ref, v_ref, ref_lens = k_cache.clone(), v_cache.clone(), lens.clone()
+    for _ in range(2):
+        got = plan.run(q, k_cache, v_cache, k=k_new, v=v_new)
+        want = tileattn.flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=ref_lens,
+                                                block_table=table, causal=True, return_softmax_lse=True, **extra)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+        lens += 1
+        ref_lens += 1
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_plan_over_an_fp8_cache(device, paged):
     """An FP8 cache: the plan quantises each layer's new keys with the step's descales and reads
@@ -135,6 +160,38 @@ def test_plan_rejects_a_layer_it_was_not_made_for():
         tileattn.DecodePlan(q, k_cache, v_cache, lens).run(q, k_cache, v_cache, k=k_new, v=v_new)
     with pytest.raises(IndexError, match="appending 3 tokens"):
         tileattn.DecodePlan(q, k_cache, v_cache, torch.tensor([5, 30], dtype=torch.int32), seqlen_new=3)
+
+
+@pytest.mark.gpu
+def test_a_step_captured_with_its_plan_replays_over_advancing_lengths():
+    """One decoding step captured with its plan made inside the graph (the usage the docs give for
+    a graph replayed step after step), then replayed twice with cache_seqlens advanced in place
+    between replays: each replay equals flash_attn_with_kvcache's eager step on copies of the
+    caches (the append at the new positions, attention over the new lengths), outputs and caches."""
+    gen = torch.Generator().manual_seed(89)
+    lens, table, layers = _layers(gen, 2, 3, 32, True, "cuda", torch.bfloat16)
+    ref_lens, ref_pools = lens.clone(), [(k.clone(), v.clone()) for _, k, v, _, _ in layers]
+
+    def step():
+        plan = tileattn.DecodePlan(*layers[0][:3], lens, table, seqlen_new=1, causal=True)
+        return [plan.run(q, k, v, k=kn, v=vn) for q, k, v, kn, vn in layers]
+
+    graph, _, static = captured(step)
+    for (_, k, v, _, _), (k0, v0) in zip(layers, ref_pools):  # undo the warm-up call's append
+        k.copy_(k0)
+        v.copy_(v0)
+    for _ in range(2):  # lengths 5, 17, 30 in pages of 8 up to 32: two steps fit
+        graph.replay()
+        want = [tileattn.flash_attn_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=ref_lens, block_table=table,
+                                                 causal=True) for (q, _, _, kn, vn), (kr, vr) in zip(layers, ref_pools)]
+        torch.cuda.synchronize()
+        for s, w in zip(static, want):
+            torch.testing.assert_close(s, w, rtol=0, atol=0)
+        for (_, k, v, _, _), (kr, vr) in zip(layers, ref_pools):
+            torch.testing.assert_close(k, kr, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v, vr, rtol=0, atol=0, equal_nan=True)
+        lens += 1
+        ref_lens += 1
 
 
 @pytest.mark.gpu

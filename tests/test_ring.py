@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from interpreter_rounding import round_like_the_gpu
-from tolerance import GRAD_FACTOR, assert_within, plain_attention
+from tolerance import GRAD_FACTOR, as_f64, assert_within, max_err, plain_attention
 
 from tileattn.distributed import (
     contiguous_shard,
@@ -50,7 +50,7 @@ from tileattn.distributed import (
     zigzag_unshard,
     zigzag_unshard_varlen,
 )
-from tileattn import flash_attn_varlen_func
+from tileattn import flash_attn_func, flash_attn_varlen_func
 from tileattn.distributed.ring import DensePlan
 from tileattn.ops.attention import draw_dropout_seed
 from tileattn.reference import attention_naive, attention_naive_grad
@@ -209,12 +209,24 @@ CASES = {
                                        hdim=24, hdim_v=40, backend="triton"),
     "llama3-causal-hdimv-triton": dict(kind="llama3", causal=True, dtype="float32", docs=(5, 9, 0, 2), heads=(2, 1),
                                        hdim=40, hdim_v=16, stride=1, backend="triton"),
+    # float64 on the CPU path: within 1e-12 of the reference, LSE float64, as the single call (the ring's
+    # state and accumulators were fp32: fp32-accurate results, an fp32 LSE, and a crash on the ranks whose
+    # first call wrote a float64 tile into the fp32 state while the others waited in the ring)
+    "contiguous-full-window-f64": dict(kind="contiguous", causal=False, window=(20, 1), dtype="float64", batch=1,
+                                       seqlen=6, heads=(4, 2), hdim=8, cpu_only=True),
+    "zigzag-causal-sink-dlse-alibi-f64": dict(kind="zigzag", causal=True, alibi=True, dtype="float64", batch=2,
+                                              seqlen=6, heads=(4, 2), hdim=8, sink=True, dlse=True, cpu_only=True),
+    "zigzag-varlen-window-f64": dict(kind="zigzag-varlen", causal=False, window=(4, 2), dtype="float64",
+                                     units=(2, 0, 3), heads=(2, 1), hdim=8, dlse=True, cpu_only=True),
+    "llama3-causal-sink-dlse-f64": dict(kind="llama3", causal=True, dtype="float64", docs=(5, 0, 17, 1, 9),
+                                        heads=(4, 2), hdim=8, stride=1, sink=True, dlse=True, cpu_only=True),
 }
 
 
-def _cases_for(world: int):
+def _cases_for(world: int, device_type: str = "cpu"):
     return [name for name, c in CASES.items()
-            if (not c.get("pairs") or world == 4) and (c.get("backend") is None or (world == 2 and _INTERPRETED))]
+            if (not c.get("pairs") or world == 4) and (c.get("backend") is None or (world == 2 and _INTERPRETED))
+            and not (c.get("cpu_only") and device_type != "cpu")]
 
 
 # The cases that force the Triton backend on CPU tensors need Triton's interpreter, which conftest
@@ -403,13 +415,14 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         dist.all_reduce(dsink, group=group)
 
     refs, plains = _oracle(case, q, k, v, dout, slopes, sink, dlse, world, device)
-    assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert_within(f"{name} out", out, mine(plains[0]), mine(refs[0]))
-    assert_within(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
+    assert out.dtype == q.dtype and lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    check = _within_f64 if q.dtype == torch.float64 else assert_within
+    check(f"{name} out", out, mine(plains[0]), mine(refs[0]))
+    check(f"{name} lse", lse, mine(plains[1], lse_dim), mine(refs[1], lse_dim))
     for label, got, plain, ref in zip(("dq", "dk", "dv"), (lq.grad, lk.grad, lv.grad), plains[2:], refs[2:]):
         assert got.dtype == q.dtype
-        assert_within(f"{name} {label}", got, mine(plain), mine(ref), factor=GRAD_FACTOR)
-    if dsink is not None:
+        check(f"{name} {label}", got, mine(plain), mine(ref), factor=GRAD_FACTOR)
+    if dsink is not None:  # the sinks are an fp32 parameter: their gradient is fp32 whatever q's dtype
         assert_within(f"{name} dsink", dsink.cpu(), plains[5], refs[5], factor=GRAD_FACTOR)
     if case.get("dropout") and kind not in ("contiguous", "zigzag") and rank == 0:
         # the oracle's mask is the single call's: flash_attn_varlen_func on the whole batch passes it too
@@ -417,6 +430,15 @@ def _run_case(name: str, rank: int, world: int, group, device) -> None:
         for label, got, plain, ref in zip(("out", "lse", "dq", "dk", "dv", "dsink"), single, plains, refs):
             assert_within(f"{name} single call {label}", got.cpu(), plain, ref,
                           factor=GRAD_FACTOR if label.startswith("d") else 2.0)
+
+
+def _within_f64(name: str, fast, plain, ref, factor: float = 0.0) -> None:
+    """float64 paths compare directly: within 1e-12 of the reference, relative to its largest entry
+    (``plain`` and ``factor`` unused: the tolerance rule's arguments)."""
+    finite = torch.isfinite(as_f64(ref))
+    scale = max(1.0, float(as_f64(ref)[finite].abs().max())) if finite.any() else 1.0
+    err = max_err(fast, ref)
+    assert err <= 1e-12 * scale, f"{name}: err {err:.3e} > 1e-12 * {scale:.3g}"
 
 
 def _single_call(case, q, k, v, dout, slopes, sink, dlse, docs, device):
@@ -518,13 +540,14 @@ def test_ring_matches_reference(world, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [name for name, c in CASES.items() if c.get("backend") is None])
+@pytest.mark.parametrize("case", [name for name, c in CASES.items()
+                                  if c.get("backend") is None and not c.get("cpu_only")])
 def test_ring_on_nccl_matches_reference(case, tmp_path):
     """The same cases on the GPUs of this host (NCCL, the Triton backend), up to 4 ranks, one
     process group per case: the kernels a world compiles first dominate its time, and cases
     in parallel (pytest-xdist) compile in parallel."""
     world = min(4, torch.cuda.device_count())
-    if case not in _cases_for(world):
+    if case not in _cases_for(world, "cuda"):
         pytest.skip(f"{case} runs two rings of 2 ranks: it needs 4 GPUs, this host has {world}")
     _assert_all_passed(_spawn(world, "cuda", tmp_path, [case]))
 
@@ -695,6 +718,9 @@ def test_bad_input_raises_before_any_communication():
         ring_flash_attn_kvpacked_func(q, k)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_flash_attn_func(q, k, v, causal=True)
+    # what dist.new_group returns on a rank outside the group (an int: was reported as 'got int')
+    with pytest.raises(ValueError, match="not a member of group"):
+        zigzag_ring_flash_attn_func(q, k, v, causal=True, group=dist.GroupMember.NON_GROUP_MEMBER)
     packed = q[0]
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="even"):
@@ -703,6 +729,11 @@ def test_bad_input_raises_before_any_communication():
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 5, dropout_p=0.1)
     with pytest.raises(ValueError, match="heads_k_stride"):
         llama3_flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, 3, slice(0, 8))
+    with pytest.raises(ValueError, match="not a member of group"):
+        llama3_flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, 1, slice(0, 8),
+                                      group=dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(ValueError, match="not a member of group"):
+        ring_flash_attn_varlen_func(packed, packed, packed, cu, 5, group=dist.GroupMember.NON_GROUP_MEMBER)
     with pytest.raises(ValueError, match="divisible"):
         zigzag_shard(q[:, :7], 0, 2)
     with pytest.raises(ValueError, match="rank"):
@@ -756,3 +787,94 @@ def test_transfers_carry_only_what_is_read(world):
     window = DensePlan(world, local, AttnParams(softmax_scale=1.0, window_left=3, window_right=0), zigzag=False)
     assert window.steps(world) == [0, 1]
     assert _span(window.calls(1, 0), local) == slice(local - 3, local)
+
+
+# ----------------------------------------------------------------------------- ranks that disagree
+
+
+def _disagreements(rank: int, world: int):
+    """[(name, call)]: calls whose inputs differ across the ranks, or that only one rank refuses."""
+    g = torch.Generator().manual_seed(rank)
+    last = rank == world - 1
+
+    def dense(seqlen=4, heads_k=2, causal=True, fn=ring_flash_attn_func):
+        q = torch.randn(1, seqlen, 2, 8, generator=g)
+        k, v = (torch.randn(1, seqlen, heads_k, 8, generator=g) for _ in range(2))
+        return lambda: fn(q, k, v, causal=causal)
+
+    def zigzag_varlen(cu):
+        q, k, v = (torch.randn(8, 2, 8, generator=g) for _ in range(3))
+        return lambda: zigzag_ring_flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), 6, causal=True)
+
+    def llama3(rows=8, causal=True, alibi=False):
+        cu = torch.tensor([0, 5, rows * world], dtype=torch.int32)
+        q, k, v = (torch.randn(rows, 2, 8, generator=g) for _ in range(3))
+        if rows != 8:  # the offsets of 8 rows a rank: a rank with another count is refused by the others
+            cu = torch.tensor([0, 5, 8 * world], dtype=torch.int32)
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+        if rows != 8:
+            cu_q = torch.tensor([0, rows], dtype=torch.int32)
+            cu_k, max_q, max_k, k_slice = cu_q, rows, rows, slice(rank * rows, (rank + 1) * rows)
+        slopes = torch.full((2,), 0.25) if alibi else None
+        return lambda: llama3_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 1, k_slice, causal=causal,
+                                                     alibi_slopes=slopes)
+
+    return [
+        ("seqlen_local differs", dense(seqlen=6 if last else 4)),
+        ("nheads_k differs", dense(heads_k=1 if last else 2, fn=zigzag_ring_flash_attn_func)),
+        ("window_right differs", dense(causal=not last)),
+        ("cu_seqlens differs", zigzag_varlen([0, 2, 8] if last else [0, 4, 8])),
+        # odd local lengths on the last rank only: it says why, the others that it refused
+        ("must be even" if last else "refused their inputs", zigzag_varlen([0, 3, 8] if last else [0, 4, 8])),
+        ("total_local differs", llama3(rows=6 if last else 8)),
+        # ALiBi with causal=False: only the ranks whose first document's keys run past their rows refuse
+        (None, llama3(causal=False, alibi=True)),
+    ]
+
+
+def _disagree_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    results = []
+    for expected, call in _disagreements(rank, world):
+        try:
+            call()
+            results.append((expected, "no exception"))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.append((expected, f"{type(e).__name__}: {e}"))
+    # the group is still usable: a valid call after all those refused
+    g = torch.Generator().manual_seed(11)
+    whole = [torch.randn(1, 4 * world, 2, 8, generator=g) for _ in range(3)]
+    out = ring_flash_attn_func(*(contiguous_shard(t, rank, world) for t in whole), causal=True)
+    ref = contiguous_shard(flash_attn_func(*whole, causal=True), rank, world)
+    results.append(("valid call", float((out - ref).abs().max())))
+    with open(f"{result_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_all_raise(world, tmp_path):
+    """Shapes or options that differ across the ranks, or inputs that one rank refuses, raise a
+    ValueError on EVERY rank before the ring exchanges anything (one small all-gather of each
+    rank's call signature and verdict), instead of a hang, a gloo size mismatch or, with local
+    offsets that differ, silently wrong outputs; the group stays usable."""
+    ctx = mp.start_processes(_disagree_worker, args=(world, str(tmp_path / "pg"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks that disagree: a world of {world} did not finish (hang)")
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, results in enumerate(per_rank):
+        *refused, (_, err) = results
+        for expected, got in refused:
+            assert got.startswith(("ValueError", "NotImplementedError")), f"rank {r}, {expected}: {got}"
+            assert expected is None or expected in got, f"rank {r}: expected {expected!r}, got {got}"
+        assert err < 1e-5, f"rank {r}: the valid call after the refused ones is off by {err}"
+    alibi = [results[-2][1] for results in per_rank]  # its own reason where a rank refused, else the others'
+    assert any("keys may not run past" in x for x in alibi) and all(
+        "keys may not run past" in x or "refused their inputs" in x for x in alibi), alibi

@@ -70,7 +70,8 @@ BAD = [
     (["--slots", "0"], "argument --slots: must be >= 1 (got 0)"),
     (["--requests", "0"], "argument --requests: must be >= 1 (got 0)"),
     (["--block-size", "0"], "argument --block-size: must be >= 1 (got 0)"),
-    (["--max-new", "-3"], "argument --max-new: must be >= 1 (got -3)"),
+    (["--max-new", "-3"], "argument --max-new: must be >= 2 (got -3)"),
+    (["--max-new", "1"], "argument --max-new: must be >= 2 (got 1)"),  # every answer has 2 tokens or more
     (["--slots", "two"], "argument --slots: 'two' is not an integer"),
     (["--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu or cuda"),
     (["--device", "meta"], "argument --device: 'meta': use cpu or cuda"),

@@ -172,6 +172,8 @@ def test_seqused_k_limits_packed_keys(device):
     (lambda a: {**a, "seqused_k": None}, ValueError, "cu_seqlens_k"),
     (lambda a: {**a, "seqused_k": a["seqused_k"].long()}, TypeError, "seqused_k"),
     (lambda a: {**a, "seqused_k": torch.tensor([3, 99], dtype=torch.int32)}, IndexError, "seqused_k"),
+    (lambda a: {**a, "seqused_k": torch.tensor([-1, 7], dtype=torch.int32)}, IndexError,
+     r"seqused_k must be >= 0, found -1\.\.7"),
     (lambda a: {**a, "out": torch.empty(5, 4, 8)}, ValueError, "out must"),
     (lambda a: {**a, "out": torch.empty(4, 4, 16, dtype=torch.float64)}, ValueError, "out must"),
     (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),

@@ -236,6 +236,25 @@ def test_packed_row_equals_separate_sequences(cpu_backend):
     torch.testing.assert_close(from_offsets, separate, rtol=0, atol=1e-5)
 
 
+def test_packed_rows_of_a_batch_equal_separate_sequences(cpu_backend):
+    """Two rows, each holding sequences found from its position_ids (as transformers' eager and SDPA
+    masks find them without a cache), and one row of positions shared by both rows: each sequence
+    attends to itself alone."""
+    model = make_model("llama", seed=11)
+    model.set_attn_implementation("tileattn")
+    ids = torch.randint(1, 128, (2, 15), generator=torch.Generator().manual_seed(14))
+    lengths = [[9, 6], [4, 11]]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    with torch.no_grad():
+        separate = torch.stack([torch.cat([model(ids[b:b + 1, s:s + n]).logits[0]
+                                           for s, n in zip((0, row[0]), row)]) for b, row in enumerate(lengths)])
+        packed = model(ids, position_ids=position_ids, use_cache=False).logits
+        shared = model(ids, position_ids=position_ids[:1], use_cache=False).logits
+        shared_separate = torch.cat([model(ids[:, :9]).logits, model(ids[:, 9:]).logits], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared, shared_separate, rtol=0, atol=1e-5)
+
+
 def test_packed_positions_are_read_once_per_forward(cpu_backend, monkeypatch):
     """Every layer gets the same position_ids tensor: where its sequences restart is read on the
     host once per forward, not once per layer (the model has two layers), and again for new ones."""
@@ -475,6 +494,16 @@ def test_register_is_idempotent_and_import_is_lazy():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.parametrize("version", ["4.53.0", "5.3.0"])
+def test_register_refuses_a_transformers_whose_mask_functions_take_cache_position(monkeypatch, version):
+    """transformers 4.53-5.3 call a mask function with cache_position, not q_length / q_offset: the
+    first call of a model would fail inside transformers with a TypeError, so registering refuses."""
+    # the module register() imports now (sys.modules' entry: an earlier test's import may have replaced it)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with pytest.raises(ImportError, match=f"5.4 or later .*found {version}"):
+        tt.register()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_bf16_on_cuda(kind):
@@ -533,3 +562,58 @@ def test_static_cache_mask_keeps_one_shape_and_compiles_once(cpu_backend):
         # the same rows as the growing bool mask gives
         torch.testing.assert_close(eager, tt._padded_attention(q, k, v, mask.bool(), options), rtol=0, atol=0)
     assert counter.frame_count == 1
+
+
+def test_cross_attention_of_an_encoder_decoder_matches_eager(cpu_backend):
+    """An encoder-decoder (BART) with a padded encoder batch: its decoder's queries attend to the
+    encoder's real keys, whatever the decoder's length (shorter, as long, longer: none of its
+    queries is a column of the encoder's mask), in one forward and in generate()."""
+    config = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=1, eos_token_id=2,
+                                     bos_token_id=0, decoder_start_token_id=2, forced_eos_token_id=None)
+    torch.manual_seed(41)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    oracle = copy.deepcopy(model).double()
+    oracle.set_attn_implementation("eager")
+    gen = torch.Generator().manual_seed(42)
+    ids = torch.randint(3, 128, (3, 12), generator=gen)
+    mask = torch.tensor([[1] * 12, [1] * 8 + [0] * 4, [0] * 9 + [1] * 3])
+    for decoder_length in (7, 12, 15):
+        decoder_ids = torch.randint(3, 128, (3, decoder_length), generator=gen)
+        inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+        with torch.no_grad():
+            ref = oracle(**inputs).logits
+            model.set_attn_implementation("eager")
+            plain = model(**inputs).logits
+            model.set_attn_implementation("tileattn")
+            fast = model(**inputs).logits
+        assert_within(f"decoder logits ({decoder_length} queries)", fast, plain, ref)
+    tokens = {}
+    for impl in ("eager", "tileattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                          do_sample=False, num_beams=1)
+    assert torch.equal(tokens["tileattn"], tokens["eager"])
+
+
+def test_segmented_path_keeps_every_query_of_a_cross_attention(cpu_backend):
+    """The compile-time path over a mask of keys only (non-causal, no window): every query attends
+    to its row's real keys, as the eager path does, for fewer or more queries than keys."""
+    gen = torch.Generator().manual_seed(43)
+    _, mask = batch_with_padding(44, [9, 5, 2], left=False)
+    keys_real = mask.bool()
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0)
+    for seqlen_q in (4, 13):
+        q = torch.randn(3, seqlen_q, 4, 16, generator=gen)
+        k, v = (torch.randn(3, 9, 2, 16, generator=gen) for _ in range(2))
+        exact = tt._padded_attention(q, k, v, keys_real, options)
+        for b in range(3):
+            kb, vb = (x[b:b + 1, keys_real[b]] for x in (k, v))
+            ref, _ = R.attention_naive(q[b:b + 1].double().numpy(), kb.double().numpy(), vb.double().numpy(),
+                                       causal=False)
+            plain, _ = plain_attention(q[b:b + 1], kb, vb, causal=False)
+            assert_within(f"row {b}", exact[b:b + 1], plain, ref)
+        segmented = tt._segmented_attention(q, k, v, keys_real, None, options)
+        torch.testing.assert_close(segmented, exact, rtol=0, atol=1e-6)

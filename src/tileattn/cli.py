@@ -253,8 +253,21 @@ def show_sink(args) -> None:
     console.print(f"every weight, and the output, shrinks by {1 - p_sink:.4f}")
 
 
+def plot_format(path: str) -> str:
+    """The figure format of ``path``: its suffix, or png for a name without one (written as given)."""
+    return Path(path).suffix[1:].lower() or "png"
+
+
+def plot_formats() -> list[str]:
+    """The file formats matplotlib can write, by suffix."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
 def plot_trace(path: str, scores, steps) -> None:
-    """Scores with tile edges and the running max (top); error of o per tile, log scale (bottom)."""
+    """Scores with tile edges and the running max (top); error of o per tile, log scale (bottom),
+    written to ``path`` itself in the format of its suffix (png without one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,7 +286,7 @@ def plot_trace(path: str, scores, steps) -> None:
     bottom.semilogy(np.arange(len(steps)), errs, "o-")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set(xlabel="tile", ylabel="max |o - exact|", title="The output is exact only after the last tile")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=plot_format(path))
     plt.close(fig)
 
 
@@ -358,22 +371,35 @@ def at_least(low: int):
     return parse
 
 
+def sink_logit(text: str) -> float:
+    """An argparse type: a sink logit, a finite number or -inf (no sink); +inf or nan would make
+    every weight nan."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if np.isnan(value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number or -inf (got {text})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tileattn", description="FlashAttention explained by running it.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     seed_help = "seed of the random inputs (default 0)"
     demo = sub.add_parser("demo", help="agreement, measured memory, the fully-masked tile, the torch path "
                                        "(about 30 s)")
-    demo.add_argument("--seed", type=int, default=0, help=seed_help)
+    demo.add_argument("--seed", type=at_least(0), default=0, help=seed_help)
     demo.set_defaults(func=cmd_demo, sizes=[512, 2048, 8192], block=128)  # its memory section
     trace = sub.add_parser("trace", help="the online softmax on one query row, tile by tile")
     trace.add_argument("--keys", type=at_least(1), default=16, help="number of keys (default 16)")
     trace.add_argument("--tile", type=at_least(1), default=4, help="keys per tile (default 4)")
     trace.add_argument("--dim", type=at_least(1), default=4, help="head dimension (default 4)")
-    trace.add_argument("--seed", type=int, default=0, help=seed_help)
+    trace.add_argument("--seed", type=at_least(0), default=0, help=seed_help)
     trace.add_argument("--plot", metavar="FILE.png",
                        help="also write a figure of the scores, running max and error (needs matplotlib)")
-    trace.add_argument("--sink", type=float, metavar="LOGIT", help="also show a learnable sink's effect on the row")
+    trace.add_argument("--sink", type=sink_logit, metavar="LOGIT",
+                       help="also show a learnable sink's effect on the row")
     trace.set_defaults(func=cmd_trace)
     memory = sub.add_parser("memory", help="peak intermediate memory, naive vs tiled, measured")
     memory.add_argument("--sizes", type=at_least(1), nargs="+", default=[512, 2048, 8192], metavar="N",
@@ -401,6 +427,13 @@ def main(argv=None) -> None:
                            "python3 -m pip install 'tileattn[plot]' (or: python3 -m pip install matplotlib)\n")
         if not Path(args.plot).resolve().parent.is_dir():
             parser.exit(2, f"tileattn trace: error: --plot: no folder {Path(args.plot).parent} to write into\n")
+        if Path(args.plot).is_dir():
+            parser.exit(2, f"tileattn trace: error: --plot: {args.plot} is a folder: give a file, "
+                           f"e.g. {Path(args.plot) / 'trace.png'}\n")
+        formats = plot_formats()
+        if plot_format(args.plot) not in formats:
+            parser.exit(2, f"tileattn trace: error: --plot: no figure format {Path(args.plot).suffix!r} "
+                           f"(one of: {', '.join('.' + f for f in formats)})\n")
     args.func(args)
 
 

@@ -121,7 +121,7 @@ class MemoryRow:
     naive_bytes: int | None  # measured peak intermediates of attention_naive (None: not run)
     flash_bytes: int  # measured peak intermediates of attention_tiled
     scores_bytes: int  # one float64 N x N score matrix, for scale
-    tile_bytes: int  # one float64 block x block score tile, for scale
+    tile_bytes: int  # one float64 score tile (block x block, at most N x N), for scale
 
 
 def memory_row(n: int, headdim: int = 64, block: int = 128, seed: int = 0, naive: bool = True) -> MemoryRow:
@@ -130,7 +130,8 @@ def memory_row(n: int, headdim: int = 64, block: int = 128, seed: int = 0, naive
     q, k, v = random_qkv(np.random.default_rng(seed), 1, n, n, 1, 1, headdim)
     naive_bytes = peak_extra_bytes(ref.attention_naive, q, k, v) if naive else None
     flash = peak_extra_bytes(ref.attention_tiled, q, k, v, block_m=block, block_n=block)
-    return MemoryRow(n, naive_bytes, flash, n * n * 8, block * block * 8)
+    tile = min(block, n)  # the tiled path's score tile: no larger than the sequence
+    return MemoryRow(n, naive_bytes, flash, n * n * 8, tile * tile * 8)
 
 
 def naive_bytes_per_score(headdim: int = 64, seqlen: int = 256) -> float:

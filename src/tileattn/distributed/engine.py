@@ -12,8 +12,9 @@ Traffic and passes over memory, kept low:
 * only the rows of a shard that the receiver reads travel (``_span``: half of a zigzag shard
   when src < rank, the keys within a window's reach), and a step at which no rank computes is
   skipped with its transfers; the exchange of step s + 1 is posted before step s computes;
-* the running state is fp32; the first call over every row writes it directly (both backends
-  store into an output of another dtype), later ones are merged in place (``merge_into``).
+* the running state is fp32 (float64 for float64 inputs, ``acc_dtype``, as everywhere below);
+  the first call over every row writes it directly (both backends store into an output of
+  another dtype), later ones are merged in place (``merge_into``).
 
 A shard's keys and values travel as one message (``Shard``): stacked, (2, ...), when they share a
 shape, else side by side on the last axis, (..., headdim + headdim_v), when v has a head dim of
@@ -47,7 +48,7 @@ from ..ops.backend import backend_for
 from ..ops.merge import merge_into
 from .comm import Peers
 
-__all__ = ["Call", "Shard", "ring_fwd", "ring_bwd", "sink_grad"]
+__all__ = ["Call", "Shard", "acc_dtype", "ring_fwd", "ring_bwd", "sink_grad"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,13 @@ class Shard:
         return (kv[0], kv[1]) if self.stacked else (kv[..., :self.headdim], kv[..., self.headdim:])
 
 
+def acc_dtype(q: torch.Tensor) -> torch.dtype:
+    """The ring's state and accumulators: fp32, or float64 for float64 inputs (the CPU path's, whose
+    single call keeps float64 throughout and returns a float64 LSE: an fp32 state would round a
+    float64 ring to fp32 precision)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _take(x: torch.Tensor, rows, axis: int) -> torch.Tensor:
     if isinstance(rows, slice):
         return x.narrow(axis, rows.start, rows.stop - rows.start)
@@ -128,8 +136,8 @@ def _fwd_call(backend, call: Call, q, kv, packed: bool, into=None):
     if into is None:
         # fp32 like the running state it is merged into: a partial output rounded to q's dtype
         # first would carry two roundings into the result where one call has one
-        o_c = q_c.new_empty((*q_c.shape[:-1], v_c.shape[-1]), dtype=torch.float32)  # v's head dim
-        lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=torch.float32)
+        o_c = q_c.new_empty((*q_c.shape[:-1], v_c.shape[-1]), dtype=acc_dtype(q))  # v's head dim
+        lse_c = torch.empty(_lse_shape(q_c, packed), device=q.device, dtype=acc_dtype(q))
     else:
         o_c, lse_c = _take(into[0], call.q, axis), _take(into[1], call.q, axis + 1)
     backend.attn_fwd(*_one_doc(call, packed, q_c, k_c, v_c, o_c, lse_c), params=call.params, alibi_slopes=call.alibi,
@@ -203,12 +211,12 @@ def _post_grad(peers: Peers, plan: Plan, own, axis: int, grad, step: int):
 
 
 def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
-    """(out in q's dtype with v's head dim, lse fp32) of this rank's queries over every rank's
-    keys/values; learnable sinks ``sink`` (nheads,) merged once into the final state."""
+    """(out in q's dtype with v's head dim, lse in ``acc_dtype``) of this rank's queries over every
+    rank's keys/values; learnable sinks ``sink`` (nheads,) merged once into the final state."""
     backend = backend_for(q.device)
     axis = 0 if plan.packed else 1
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), device=q.device, dtype=torch.float32)
-    lse = torch.empty(_lse_shape(q, plan.packed), device=q.device, dtype=torch.float32)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), device=q.device, dtype=acc_dtype(q))
+    lse = torch.empty(_lse_shape(q, plan.packed), device=q.device, dtype=acc_dtype(q))
     fresh = True  # nothing merged yet: a first call over every row writes the state directly
     shard = Shard(k, v, plan.packed)
     own = shard.pack(k, v)  # one message per step
@@ -236,7 +244,7 @@ def ring_fwd(q, k, v, plan: Plan, peers: Peers, sink=None):
         out.zero_()
         lse.fill_(float("-inf"))
     if sink is not None:  # the sink as a state (out 0, lse sink_h), once per row
-        merge_into(out, lse, out.new_zeros(()).expand(out.shape), sink.float()[:, None].expand(lse.shape))
+        merge_into(out, lse, out.new_zeros(()).expand(out.shape), sink.to(lse.dtype)[:, None].expand(lse.shape))
     return out.to(q.dtype), lse
 
 
@@ -252,10 +260,11 @@ def sink_grad(dout, out, lse, dlse, sink):
     """The gradient of learnable sinks from this rank's rows: ``dsink_h = -sum P_sink delta`` with
     ``P_sink = exp(sink_h - lse)`` and ``delta = rowsum(dout * out) - dlse`` (``tileattn.reference``).
     Layouts: dense out (B, S, H, D) with lse (B, H, S), packed out (T, H, D) with lse (H, T)."""
-    delta = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # lse's layout
+    acc = lse.dtype  # fp32, float64 for float64 inputs
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # lse's layout
     if dlse is not None:
-        delta = delta - dlse
-    p_sink = torch.exp(sink.float()[:, None] - lse)
+        delta = delta - dlse.to(acc)
+    p_sink = torch.exp(sink.to(acc)[:, None] - lse)
     return -(p_sink * delta).reshape(-1, *lse.shape[-2:]).sum((0, 2)).to(sink.dtype)
 
 
@@ -266,9 +275,10 @@ def _bwd_call(backend, call: Call, dout, q, kv, out, lse, dlse, packed: bool, de
     axis = 0 if packed else 1
     q_c, k_c, v_c = _take(q, call.q, axis), _take(kv[0], call.kv, axis), _take(kv[1], call.kv, axis)
     # fp32 partials: each call's share is added to others before the one rounding at the end
-    dq_c = torch.empty_like(q_c, dtype=torch.float32) if dq_into is None else _take(dq_into, call.q, axis)
+    acc = acc_dtype(q)
+    dq_c = torch.empty_like(q_c, dtype=acc) if dq_into is None else _take(dq_into, call.q, axis)
     if dkv_into is None:
-        dk_c, dv_c = torch.empty_like(k_c, dtype=torch.float32), torch.empty_like(v_c, dtype=torch.float32)
+        dk_c, dv_c = torch.empty_like(k_c, dtype=acc), torch.empty_like(v_c, dtype=acc)
     else:
         dk_c, dv_c = _take(dkv_into[0], call.kv, axis), _take(dkv_into[1], call.kv, axis)
     rows = [_take(dout, call.q, axis), q_c, k_c, v_c, _take(out, call.q, axis), _take(lse, call.q, axis + 1), dq_c,
@@ -298,8 +308,8 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
     r, w = peers.rank, peers.world_size
     shard = Shard(k, v, plan.packed)
     own = shard.pack(k, v)
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dkv = torch.empty(own.shape, device=q.device, dtype=torch.float32)  # gradient of my own shard, packed alike
+    dq = torch.empty(q.shape, device=q.device, dtype=acc_dtype(q))
+    dkv = torch.empty(own.shape, device=q.device, dtype=acc_dtype(q))  # gradient of my own shard, packed alike
     fresh_q = fresh_kv = True
     steps = plan.steps(w)
     incoming, returning = None, None
@@ -314,7 +324,7 @@ def ring_bwd(dout, q, k, v, out, lse, plan: Plan, peers: Peers, deterministic: b
         if direct_grad:
             grad = torch.empty_like(kv)  # written by the call: its fp32 accumulation rounded once, on store
         elif step > 0 and calls:
-            grad = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+            grad = torch.zeros(kv.shape, device=q.device, dtype=acc_dtype(q))
         for call in calls:
             call = replace(call, kv=_within(call.kv, span))
             direct_q = fresh_q and _whole(call.q, q.shape[axis])

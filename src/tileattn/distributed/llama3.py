@@ -20,9 +20,10 @@ that some rank reads travel:
 
 The backward reuses the buffers (nothing travels twice), computes the away documents first and
 sends the gradients of borrowed rows straight back to their owners while the home call runs;
-an owner adds what comes back to its own rows in fp32, in rank order (deterministic). With W
-ranks and causal documents no longer than a shard, rank r receives only the part of its first
-document held by rank r-1, and sends the part of its last one to rank r+1.
+an owner adds what comes back to its own rows in fp32 (float64 for float64 inputs), in rank
+order (deterministic). With W ranks and causal documents no longer than a shard, rank r
+receives only the part of its first document held by rank r-1, and sends the part of its last
+one to rank r+1.
 
 Positions are global: local query row t is packed row ``r T/W + t``. The backend aligns masks
 bottom-right per document; a document whose keys run past its local queries (causal=False) is
@@ -49,15 +50,12 @@ import torch.distributed as dist
 from ..contract import AttnParams
 from ..ops import _validate as V
 from ..ops.backend import backend_for
-from .comm import Peers
-from .engine import backward_inputs, sink_grad
-from .ring import ring_options
+from .comm import Peers, agree, signature
+from .engine import acc_dtype, backward_inputs, sink_grad
+from .ring import _options, check_group, ring_options, settle
 
 __all__ = ["llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
            "llama3_flash_attn_varlen_qkvpacked_func"]
-
-# newer torch names it all_gather_single and deprecates the old name (same arguments)
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _NAME = "llama3_flash_attn_varlen_func"
 
@@ -109,15 +107,11 @@ def _local(rows: slice, base: int) -> slice:
 
 def _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi: bool, stride: int, nheads_k: int,
           peers: Peers, bounds=None) -> Llama3Plan:
-    """Documents, windows and transfers of this rank. Every rank's key range is all-gathered (two
-    integers) so that each knows which of its rows the others read."""
+    """The plan of checked inputs (benchmarks/ring.py times the forward and backward on it): this
+    rank's documents and every rank's key range, all-gathered (two integers a rank)."""
     docs = _documents(q.shape[0], peers.rank, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi, bounds)
-    need = torch.tensor(_key_range(docs, q.shape[0], peers.rank), dtype=torch.int64, device=q.device)
-    if peers.world_size > 1:
-        gathered = need.new_empty(2 * peers.world_size)
-        all_gather(gathered, need, group=peers.group)
-        need = gathered
-    return _layout(docs, need.view(-1, 2).tolist(), q.shape[0], peers.rank, params, cu_seqlens_q, stride, nheads_k)
+    ranges = agree(_NAME, peers, {}, None, q.device, _key_range(docs, q.shape[0], peers.rank), 2)
+    return _layout(docs, ranges, q.shape[0], peers.rank, params, cu_seqlens_q, stride, nheads_k)
 
 
 def _key_range(docs, n: int, rank: int) -> list[int]:
@@ -276,7 +270,7 @@ def llama3_fwd(q, k, v, plan: Llama3Plan, peers, alibi=None, sink=None):
     backend = backend_for(q.device)
     g = q.shape[1] // k.shape[1]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=acc_dtype(q))  # float64 for float64 q
     posted = [_post_kv(plan, k, v, c, peers) for c in range(len(plan.chunks))]
     everything = slice(0, q.shape[1])
     for c in plan.home:  # all heads at once while the away keys travel
@@ -331,7 +325,7 @@ def llama3_bwd(dout, q, k, v, out, lse, dlse, plan: Llama3Plan, kept, peers, det
         if not parts:
             continue
         span = slice(min(x[2].start for x in parts), max(x[2].stop for x in parts))
-        acc_k, acc_v = dk[span].float(), dv[span].float()
+        acc_k, acc_v = dk[span].to(acc_dtype(k)), dv[span].to(acc_dtype(k))
         for h0, h1, rows, gk, gv in parts:
             acc_k[_local(rows, span.start), h0:h1] += gk
             acc_v[_local(rows, span.start), h0:h1] += gv
@@ -396,9 +390,9 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     ``causal`` and ``window_size`` act on positions inside each document. ``alibi_slopes`` fp32
     (nheads,) or (num_local_sequences, nheads) where no sequence's keys run past its queries
     (always with causal=True). v may have a head dim of its own, headdim_v (out and dv have it).
-    Returns out (total_local, nheads, headdim_v), or with
-    ``return_attn_probs`` ``(out, softmax_lse (nheads, total_local) fp32, None)``. Arguments as
-    in ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
+    Returns out (total_local, nheads, headdim_v), or with ``return_attn_probs`` ``(out,
+    softmax_lse (nheads, total_local) fp32 (float64 for float64 q), None)``. Arguments as in
+    ring-flash-attention; ``softcap`` and ``learnable_sink`` ((nheads,) fp32, once per row;
     its gradient is this rank's rows' share, summed across ranks like any replicated parameter's)
     are tileattn's additions. Differentiable in q, k, v, the sinks and the returned LSE.
 
@@ -409,6 +403,41 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     come before it), so dropout needs ``cu_seqlens`` (keyword, tileattn's addition): the global
     offsets given to ``llama3_flash_attn_prepare_cu_seqlens``.
     """
+    def checks():
+        return _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+                      dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+                      group, softcap, learnable_sink, cu_seqlens)
+
+    def fields(c):
+        return signature(**_options(_NAME, q, c.params, c.alibi, c.sink, deterministic), total_local=q.shape[0],
+                         nheads_k=k.shape[1], headdim=q.shape[2], headdim_v=v.shape[2], heads_k_stride=c.stride,
+                         cu_seqlens=[] if c.bounds is None else c.bounds)
+
+    # every rank's key range (two integers) travels with its call's signature: each rank then knows
+    # which of its rows the others read, and all raise if any rank refused its inputs
+    c, ranges = settle(_NAME, group, checks, fields, q, always=True, n_extra=2,
+                       extra=lambda c: _key_range(c.docs, q.shape[0], dist.get_rank(group)))
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    plan = _layout(c.docs, ranges, q.shape[0], dist.get_rank(group), c.params, cu_seqlens_q, c.stride, k.shape[1])
+    alibi, sink = c.alibi, c.sink
+    out, lse = Llama3FlashAttnVarlenFunc.apply(q, k, v, sink, plan, alibi, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+@dataclass(frozen=True)
+class _Checked:
+    params: AttnParams
+    bounds: list | None
+    alibi: torch.Tensor | None
+    sink: torch.Tensor | None
+    stride: int
+    docs: list
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice, dropout_p,
+           softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group, softcap,
+           learnable_sink, cu_seqlens) -> _Checked:
+    """Every check of this rank's inputs (its offsets' values included) and its documents."""
     V.check_qkv(q, k, v, packed=True, headdim_v=True)
     if k.shape[0] != q.shape[0]:
         V.fail(ValueError, f"{_NAME}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
@@ -424,6 +453,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     params = ring_options(_NAME, q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs, group=group)
+    check_group(_NAME, group)  # before the world's size is asked
     world_size = dist.get_world_size(group)
     bounds = _global_offsets(cu_seqlens, world_size * q.shape[0], q.device, params.dropout_p)
     if bounds is not None:  # every call hashes heads as the single call does: h of q.shape[1] per document
@@ -439,11 +469,9 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     alibi = V.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     sink = V.check_sink(learnable_sink, q, q.shape[1])
     V.check_backward(cu_seqlens_q.shape[0] - 1, q, k, v, sink)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    plan = _plan(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, params, alibi is not None, heads_k_stride, nheads_k,
-                 Peers(group), bounds)
-    out, lse = Llama3FlashAttnVarlenFunc.apply(q, k, v, sink, plan, alibi, group, deterministic)
-    return (out, lse, None) if return_attn_probs else out
+    docs = _documents(q.shape[0], dist.get_rank(group), cu_seqlens_q, cu_seqlens_k, local_k_slice, params,
+                      alibi is not None, bounds)
+    return _Checked(params, bounds, alibi, sink, heads_k_stride, docs)
 
 
 def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -14,10 +14,13 @@ Arguments, order and meaning as in ring-flash-attention (and flash-attn): ``drop
 softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group``; the
 keyword ``softcap`` is tileattn's addition. ``causal`` and ``window_size`` are about GLOBAL
 positions: query i sees key j iff ``i - window_left <= j <= i + window_right`` (causal: right = 0).
-Returns the output, or with ``return_attn_probs`` ``(out, softmax_lse, None)``, the LSE fp32 of
-the local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)). Differentiable in
-q, k, v; every rank must call with the same shapes and options. GQA/MQA: nheads % nheads_k == 0.
-Runs on gloo (CPU tensors) and NCCL (CUDA).
+Returns the output, or with ``return_attn_probs`` ``(out, softmax_lse, None)``, the LSE of the
+local rows ((batch, nheads, seqlen_local); packed: (nheads, total_local)), fp32 (float64 for
+float64 inputs on the CPU path, as the single call). Differentiable in q, k, v; every rank must
+call with the same shapes and options: on CPU tensors (and on CUDA ones with
+``TILEATTN_DEBUG_CHECKS=1``) the ranks compare their calls first and all raise if they differ
+or any rank refuses its inputs (``settle``). GQA/MQA: nheads % nheads_k == 0. Runs on gloo
+(CPU tensors) and NCCL (CUDA).
 
 v may have a head dim of its own, headdim_v (MLA trains with q/k of 192 and v of 128): the
 output and dv have it, dq and dk q/k's. (The ``_kvpacked`` / ``_qkvpacked`` forms take one head
@@ -51,7 +54,7 @@ import torch.distributed as dist
 
 from ..ops import _validate as V
 from ..ops.attention import with_dropout_seed
-from .comm import Peers
+from .comm import Peers, agree, signature
 from .engine import Call, Plan, backward_inputs, ring_bwd, ring_fwd, sink_grad
 from .plan import dense_pairs, fast_blocks, is_fast
 
@@ -178,16 +181,84 @@ def ring_options(name: str, q, *, dropout_p, softmax_scale, causal, window_size,
                            softcap=softcap, dropout_p=dropout_p)
     V.check_flags(deterministic=deterministic, return_attn_probs=return_attn_probs)
     params = with_dropout_seed(params, q.device)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        check_group(name, group)
+    return params
+
+
+def check_group(name: str, group) -> None:
+    """A process group this rank belongs to (None: the world), in an initialized torch.distributed.
+    On a rank outside a group, ``dist.new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int),
+    which is named as such: the members run without this rank, so it alone raises."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        if dist.is_available() and type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+            V.fail(ValueError, f"{name}: this rank is not a member of group (torch.distributed.new_group returned "
+                               "GroupMember.NON_GROUP_MEMBER here): call it only on the ranks of the group")
+        V.fail(TypeError, f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         V.fail(RuntimeError, f"{name} needs torch.distributed: call torch.distributed.init_process_group first "
                              "(a world of one rank works)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        V.fail(TypeError, f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    return params
+
+
+def settle(name: str, group, checks, fields, q, always: bool = False, extra=None, n_extra: int = 0):
+    """Run ``checks()`` (every input check of this rank; returns what the call needs) and make its
+    outcome every rank's: where values are read on the host (CPU tensors; ``always``: a call that
+    gathers host values anyway), the ranks all-gather (on ``q``'s device) their ``fields(result)``
+    (shapes and options) and whether their checks passed (``comm.agree``), and all raise if any
+    rank refused its inputs or the ranks disagree — a rank raising alone would leave the others
+    waiting in the ring. On CUDA tensors (no host synchronisation; ``TILEATTN_DEBUG_CHECKS=1``
+    turns it on) a rank's refusal raises on that rank only. Returns (result, every rank's
+    ``extra(result)``, or None where nothing was gathered)."""
+    error = result = None
+    try:
+        result = checks()
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    if error is not None and (group is not None and not isinstance(group, dist.ProcessGroup)
+                              or not dist.is_available() or not dist.is_initialized()):
+        raise error  # no ring to tell
+    check_group(name, group)
+    if not isinstance(q, torch.Tensor) or not always and V.value_mode(q) != "host":
+        if error is not None:
+            raise error
+        return result, None
+    own_fields = None if error is not None else fields(result)
+    own_extra = None if error is not None or extra is None else extra(result)
+    return result, agree(name, Peers(group), own_fields, error, q.device, own_extra, n_extra)
+
+
+def _options(name, q, params, alibi, sink, deterministic):
+    """The fields every rank's call must share (``comm.signature``), beside the shapes."""
+    return dict(function=_FUNCTIONS.index(name), nheads=q.shape[-2], dtype=q.dtype, softmax_scale=params.softmax_scale,
+                window_left=params.window_left, window_right=params.window_right, softcap=params.softcap,
+                dropout_p=params.dropout_p, alibi_slopes=alibi is not None, learnable_sink=sink is not None,
+                deterministic=deterministic)
+
+
+_FUNCTIONS = ("ring_flash_attn_func", "zigzag_ring_flash_attn_func", "ring_flash_attn_varlen_func",
+              "zigzag_ring_flash_attn_varlen_func", "llama3_flash_attn_varlen_func")
 
 
 def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
                 return_attn_probs, group, softcap, learnable_sink):
+    def checks():
+        return _check_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                            deterministic, return_attn_probs, group, softcap, learnable_sink)
+
+    def fields(checked):
+        params, sink, alibi = checked
+        return signature(**_options(name, q, params, alibi, sink, deterministic), batch=q.shape[0],
+                         seqlen_local=q.shape[1], nheads_k=k.shape[2], headdim=q.shape[3], headdim_v=v.shape[3])
+
+    (params, sink, alibi), _ = settle(name, group, checks, fields, q)
+    plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag, alibi)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _check_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                 return_attn_probs, group, softcap, learnable_sink):
     V.check_qkv(q, k, v, packed=False, headdim_v=True)
     if k.shape[:2] != q.shape[:2]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same (batch, seqlen_local), got "
@@ -201,10 +272,7 @@ def _ring_dense(name, q, k, v, zigzag, dropout_p, softmax_scale, causal, window_
     sink = V.check_sink(learnable_sink, q, q.shape[2])
     V.check_backward(q.shape[0], q, k, v, sink)
     alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    plan = DensePlan(dist.get_world_size(group), q.shape[1], params, zigzag, alibi)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
-    return (out, lse, None) if return_attn_probs else out
+    return params, sink, alibi
 
 
 def _unpack(name: str, packed, parts: int, dims: int):
@@ -287,6 +355,26 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
 
 def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal, window_size,
                  alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink):
+    def checks():
+        return _check_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal,
+                             window_size, alibi_slopes, deterministic, return_attn_probs, group, softcap,
+                             learnable_sink)
+
+    def fields(checked):  # the local offsets are the global ones // W: the same on every rank
+        params, sink, alibi, max_len = checked
+        return signature(**_options(name, q, params, alibi, sink, deterministic), total_local=q.shape[0],
+                         nheads_k=k.shape[1], headdim=q.shape[2], headdim_v=v.shape[2], max_seqlen=max_len,
+                         cu_seqlens=cu_seqlens.tolist())
+
+    (params, sink, alibi, max_seqlen), _ = settle(name, group, checks, fields, q)
+    plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _check_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softmax_scale, causal, window_size,
+                  alibi_slopes, deterministic, return_attn_probs, group, softcap, learnable_sink):
     V.check_qkv(q, k, v, packed=True, headdim_v=True)
     if k.shape[0] != q.shape[0]:
         V.fail(ValueError, f"{name}: q and k/v shards must have the same number of tokens, got {q.shape[0]} "
@@ -308,10 +396,7 @@ def _ring_varlen(name, q, k, v, cu_seqlens, max_seqlen, zigzag, dropout_p, softm
     sink = V.check_sink(learnable_sink, q, q.shape[1])
     V.check_backward(cu_seqlens.shape[0] - 1, q, k, v, sink)
     alibi = V.check_alibi(alibi_slopes, cu_seqlens.shape[0] - 1, q.shape[1], q.device)
-    plan = VarlenPlan(dist.get_world_size(group), cu_seqlens, max_seqlen, params, zigzag, alibi)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = RingFlashAttnFunc.apply(q, k, v, sink, plan, group, deterministic)
-    return (out, lse, None) if return_attn_probs else out
+    return params, sink, alibi, max_seqlen
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -25,13 +25,15 @@ KV caches. What the layer hands over, and what tileattn does with it:
   what ``generate()`` produces) attends through a ``DecodePlan`` with ``cache_leftpad``, made by
   the step's first layer and run by the others: each row's keys are read in place, nothing
   gathered. Other padded batches are unpacked with the mask (``flash_attn_varlen_func`` over the
-  real tokens only) and re-padded; padded query rows come back as zeros. (Any extra pattern
+  real tokens only) and re-padded; padded query rows come back as zeros. Without causality or a
+  window (an encoder's self-attention, an encoder-decoder's cross-attention) the mask marks keys
+  only: every query attends to its row's real keys, however many queries there are. (Any extra pattern
   transformers would overlay on a 4-D mask — image-token blocks, chunked attention — is not
   represented: flash-attn does the same.) A 4-D mask passed by the user is refused with an error.
 * ``s_aux`` (gpt-oss): a learned sink logit per query head, passed as tileattn's
   ``learnable_sink`` (in float32, or float64 for a float64 model; its gradient flows back to
   the parameter).
-* packed batches without padding (one row holding several sequences): the
+* packed batches without padding (rows holding several sequences each): the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords (e.g. from
   ``DataCollatorWithFlattening``) or, in eager mode, restarts in ``position_ids``.
 
@@ -46,11 +48,14 @@ padded row becomes three segments of one varlen batch (real tokens must form one
 row: left or right padding); restarts in ``position_ids`` are not looked for (pass
 ``cu_seq_lens_*`` for packed rows).
 
-Needs a transformers with ``AttentionInterface`` and ``masking_utils.AttentionMaskInterface``
-(the registries of transformers 4.53 and later, all of 5.x).
+Needs transformers 5.4 or later: ``AttentionInterface``, and ``masking_utils.AttentionMaskInterface``
+calling a mask function with ``q_length`` / ``q_offset`` (4.53 to 5.3 pass ``cache_position``
+instead; ``register`` refuses them).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -67,16 +72,24 @@ NAME = "tileattn"
 _NOT_FILLED = -1  # a static cache's key slot past the tokens seen so far (tileattn_mask's int8 form)
 
 
+MIN_TRANSFORMERS = (5, 4)  # the mask function's q_length / q_offset arguments (5.0-5.3: cache_position)
+
+
 def register() -> None:
     """Register ``"tileattn"`` with transformers' attention and mask registries (idempotent)."""
+    need = ".".join(map(str, MIN_TRANSFORMERS))
     try:
+        import transformers
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
-        raise ImportError(
-            "tileattn's transformers integration needs transformers with AttentionInterface and "
-            "masking_utils.AttentionMaskInterface (4.53 or later): pip install 'transformers>=4.53'"
-        ) from err
+        raise ImportError(f"tileattn's transformers integration needs transformers {need} or later: "
+                          f"pip install 'transformers>={need}'") from err
+    have = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+    if have < MIN_TRANSFORMERS:
+        raise ImportError(f"tileattn's transformers integration needs transformers {need} or later (its mask "
+                          f"functions take q_length / q_offset), found {transformers.__version__}: "
+                          f"pip install 'transformers>={need}'")
     AttentionInterface.register(NAME, tileattn_attention_forward)
     AttentionMaskInterface.register(NAME, tileattn_mask)
 
@@ -102,6 +115,8 @@ def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
         return None
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     width = attention_mask.shape[1]
+    if _bidirectional(mask_function):  # an encoder's or a cross-attention's keys: no cache fills them
+        return None if _every_key_real(attention_mask, kv_length) else attention_mask
     filled = q_offset - kv_offset + q_length  # key slots in use: kv_length unless the cache is static
     if not isinstance(filled, torch.Tensor):
         filled = min(filled, width)  # a mask shorter than the keys: the slots past it are not filled
@@ -110,9 +125,24 @@ def tileattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
         slots = torch.arange(kv_length, device=mask.device)
         in_use = slots < torch.as_tensor(filled, device=mask.device)
         return torch.where(in_use, mask, torch.full_like(mask, _NOT_FILLED))
-    if not torch.compiler.is_compiling() and _mask_runs(attention_mask).every_key_real():
-        return None  # read once per mask tensor: the layers that get it reuse what was read
-    return attention_mask
+    return None if _every_key_real(attention_mask, kv_length) else attention_mask
+
+
+def _every_key_real(attention_mask: torch.Tensor, kv_length: int) -> bool:
+    """Whether a bool mask covers kv_length keys, all real (eager mode only: read once per mask
+    tensor, the layers that get it reuse what was read; under torch.compile the mask is kept)."""
+    return (attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling()
+            and _mask_runs(attention_mask).every_key_real())
+
+
+def _bidirectional(mask_function) -> bool:
+    """Whether transformers asks for a bidirectional mask (an encoder's self-attention or a
+    decoder's cross-attention): its keys are not the tokens seen so far followed by the queries,
+    so the mask alone tells which are real (the decoder may have fewer or more queries)."""
+    from transformers import masking_utils
+
+    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)
+    return bidirectional is not None and mask_function is bidirectional
 
 
 def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -163,17 +193,23 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
                          f"{tuple(attention_mask.shape)}: custom 4-D masks need attn_implementation='sdpa' or 'eager'")
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     width = attention_mask.shape[1]
-    if attention_mask.shape[0] != batch or not seqlen_q <= width <= seqlen_k:
+    # Without causality or a window a query's keys do not depend on where it sits: every query is
+    # kept and attends to its row's real keys. That is also the only reading of a cross-attention
+    # mask (an encoder-decoder's decoder queries over the encoder's padded keys), whose queries
+    # are no columns of it.
+    keys_only = not options["causal"] and tuple(options["window_size"]) == (-1, -1)
+    if attention_mask.shape[0] != batch or width > seqlen_k or (width < seqlen_q and not keys_only):
+        lower = "" if keys_only else f"{seqlen_q} <= "
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, n) with "
-                         f"{seqlen_q} <= n <= {seqlen_k}")
+                         f"{lower}n <= {seqlen_k}")
     if torch.compiler.is_compiling():
         keys_real, first_query = _real_keys(attention_mask, q.device, seqlen_q, seqlen_k)
-        return _segmented_attention(q, k, v, keys_real, first_query, options)
+        return _segmented_attention(q, k, v, keys_real, None if keys_only else first_query, options)
     if options["dropout_p"] == 0 and not _needs_graph(q, k, v, options.get("learnable_sink")):
         plan = _mask_runs(attention_mask).decode_plan(q, k, v, options)
         if plan is not None:  # every query real, each row's keys one run ending at its last query
             return plan.run(q, k, v, learnable_sink=options.get("learnable_sink"))
-    packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k)
+    packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k, keys_only)
     return _unpadded_attention(q, k, v, packing, options)
 
 
@@ -250,17 +286,21 @@ def _mask_runs(attention_mask: torch.Tensor) -> _Runs:
     return _reused("runs", attention_mask, (), lambda: _Runs(attention_mask))
 
 
-def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
-    """What ``_unpadded_attention`` needs of a mask (reads it on the host), once per mask tensor."""
-    return _reused("mask", attention_mask, (seqlen_q, seqlen_k, device),
-                   lambda: _pack(attention_mask, device, seqlen_q, seqlen_k))
+def _packing(attention_mask, device, seqlen_q: int, seqlen_k: int, keys_only: bool = False) -> tuple:
+    """What ``_unpadded_attention`` needs of a mask (reads it on the host), once per mask tensor.
+    ``keys_only``: the mask marks keys only, every query is real (non-causal without a window)."""
+    return _reused("mask", attention_mask, (seqlen_q, seqlen_k, device, keys_only),
+                   lambda: _pack(attention_mask, device, seqlen_q, seqlen_k, keys_only))
 
 
-def _pack(attention_mask, device, seqlen_q: int, seqlen_k: int) -> tuple:
+def _pack(attention_mask, device, seqlen_q: int, seqlen_k: int, keys_only: bool = False) -> tuple:
     keys_real, first_query = _real_keys(attention_mask, device, seqlen_q, seqlen_k)
-    if isinstance(first_query, torch.Tensor):
-        first_query = int(first_query[0])
-    queries_real = keys_real[:, first_query:first_query + seqlen_q]
+    if keys_only:
+        queries_real = keys_real.new_ones(keys_real.shape[0], seqlen_q)
+    else:
+        if isinstance(first_query, torch.Tensor):
+            first_query = int(first_query[0])
+        queries_real = keys_real[:, first_query:first_query + seqlen_q]
     qb, qs = queries_real.nonzero(as_tuple=True)  # real query (row, position), row-major like cu_seqlens
     kb, ks = keys_real.nonzero(as_tuple=True)
     lengths = torch.stack([queries_real.sum(1), keys_real.sum(1)]).to(torch.int32)  # (2, batch)
@@ -287,14 +327,15 @@ def _unpadded_attention(q, k, v, packing: tuple, options: dict) -> torch.Tensor:
     return out.new_zeros(q.shape).index_put((qb, qs), out)
 
 
-def _segmented_attention(q, k, v, keys_real, first_query: int | torch.Tensor, options: dict) -> torch.Tensor:
+def _segmented_attention(q, k, v, keys_real, first_query: int | torch.Tensor | None, options: dict) -> torch.Tensor:
     """The same without reading the mask on the host (static shapes, for torch.compile).
 
     Assumes the real tokens of each row form one run [start, end) of key positions — left
     or right padding, as tokenizers and generate() produce; a mask with holes fails a
     device-side assertion (eager mode handles any mask). Every row becomes three sequences of one varlen batch over all batch x seqlen rows:
     the padding before the run, the run, the padding after it. Padded query rows attend among
-    padding: finite values nobody reads.
+    padding: finite values nobody reads. ``first_query`` None: every query is real and attends to
+    the run (non-causal without a window, e.g. cross-attention), the padding segments get no query.
     """
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     pos = torch.arange(seqlen_k, device=q.device)
@@ -305,8 +346,11 @@ def _segmented_attention(q, k, v, keys_real, first_query: int | torch.Tensor, op
                         "tileattn under torch.compile needs the real tokens of each row in one run (left or right "
                         "padding); a padding mask with holes needs eager mode")
     bounds_k = torch.stack([torch.zeros_like(start), start, end], 1)  # (batch, 3) key positions
-    first_query = torch.as_tensor(first_query, device=q.device).reshape(-1, 1)  # an int, or (batch,) on the device
-    bounds_q = (bounds_k - first_query).clamp(0, seqlen_q)  # the same cuts among the queries
+    if first_query is None:  # all queries in the run's segment
+        bounds_q = torch.tensor([0, 0, seqlen_q], device=q.device).expand(batch, 3)
+    else:
+        first_query = torch.as_tensor(first_query, device=q.device).reshape(-1, 1)  # an int, or (batch,) on the device
+        bounds_q = (bounds_k - first_query).clamp(0, seqlen_q)  # the same cuts among the queries
     rows = torch.arange(batch, device=q.device)[:, None]
 
     def offsets(bounds, seqlen):  # (3 * batch + 1,) int32
@@ -323,8 +367,8 @@ def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, devi
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed row, or None.
 
     From the ``cu_seq_lens_*`` / ``max_length_*`` keywords when given (all four); otherwise, in
-    eager mode for one row of fresh tokens, from ``position_ids``: a sequence starts wherever
-    the position does not continue the previous one by 1.
+    eager mode for rows of fresh tokens, from ``position_ids``: a sequence starts at each row's
+    first token and wherever the position does not continue the previous one by 1.
     """
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     given = [kwargs.get(n) for n in names]
@@ -332,24 +376,29 @@ def _packed_offsets(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int, devi
         cu_q, cu_k, max_q, max_k = given
         return cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(max_q), int(max_k)
     position_ids = kwargs.get("position_ids")
-    if (position_ids is None or batch != 1 or seqlen_q != seqlen_k or seqlen_q < 2
-            or torch.compiler.is_compiling()):
+    if position_ids is None or seqlen_q != seqlen_k or seqlen_q < 2 or torch.compiler.is_compiling():
         return None
-    if position_ids.numel() != seqlen_q:
+    rows = position_ids.shape[0] if position_ids.dim() == 2 else 1 if position_ids.dim() == 1 else 0
+    if rows not in (1, batch) or position_ids.shape[-1] != seqlen_q:  # e.g. multimodal (3, batch, seqlen) positions
         return None
-    return _reused("positions", position_ids, (seqlen_q, device), lambda: _restarts(position_ids, seqlen_q, device))
+    return _reused("positions", position_ids, (batch, seqlen_q, device),
+                   lambda: _restarts(position_ids, batch, seqlen_q, device))
 
 
-def _restarts(position_ids, seqlen_q: int, device):
-    """The packed sequences of one row from where its positions restart (read on the host)."""
-    pos = position_ids.reshape(-1)
-    restarts = (pos[1:] - pos[:-1] != 1).nonzero().flatten() + 1
-    if restarts.numel() == 0:
+def _restarts(position_ids, batch: int, seqlen_q: int, device):
+    """The packed sequences of the rows from where their positions restart (read on the host), as
+    transformers' eager and SDPA masks find them: a sequence starts at each row's first token and
+    wherever a position does not continue the previous one by 1. Positions of one row (1, seqlen)
+    hold for every row. None when no row restarts."""
+    pos = position_ids.reshape(-1, seqlen_q)
+    starts = F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0), value=True)  # (rows, seqlen)
+    if int(starts.sum()) == starts.shape[0]:
         return None
-    bounds = [0, *restarts.tolist(), seqlen_q]
+    starts = starts.expand(batch, seqlen_q).flatten()
+    bounds = [*starts.nonzero().flatten().tolist(), batch * seqlen_q]
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     # built here from increasing bounds: the varlen call need not check them on the device
-    cu = vouch(torch.tensor(bounds, dtype=torch.int32, device=device), ("cu_seqlens", seqlen_q, longest))
+    cu = vouch(torch.tensor(bounds, dtype=torch.int32, device=device), ("cu_seqlens", batch * seqlen_q, longest))
     return cu, cu, longest, longest
 
 

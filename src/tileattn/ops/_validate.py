@@ -660,7 +660,9 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
 def _check_extent(lo: int, hi: int, new_tokens: int, capacity: int, rotary_len, rotary_reach: int,
                   lengths_name: str) -> None:
     """Lengths lo..hi (before the append) against the capacity and the rotary tables."""
-    if lo < 0 or hi + new_tokens > capacity:
+    if lo < 0:  # named as such: the messages below speak of the longest sequence
+        fail(IndexError, f"{lengths_name} must be >= 0, found {lo}..{hi}")
+    if hi + new_tokens > capacity:
         if new_tokens:
             fail(IndexError, f"appending {new_tokens} tokens needs room for {hi + new_tokens} keys, the cache holds "
                              f"{capacity} per sequence ({lengths_name} found {lo}..{hi})")

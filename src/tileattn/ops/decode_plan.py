@@ -19,6 +19,13 @@ when asked) and attention, no host-device synchronisation, so a step can be capt
 CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
 planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
+A plan is one step's: it checks the step's lengths and block table (against the cache's capacity,
+the rotary tables) when it is made, not in ``run``. ``run`` reads ``cache_seqlens`` as it is then
+(with ``seqlen_new > 0`` the append writes the lengths attention reads), so a plan kept while
+the lengths advance in place computes what a new plan would, but nothing checks the new lengths:
+make a new plan per step, and for a graph replayed step after step capture the plan's
+construction (its device-side checks) with its runs.
+
 ``cache_leftpad`` (batch,) int32, as for ``flash_attn_with_kvcache``: sequence b attends to slots
 cache_leftpad[b] ... of its contiguous cache row (a left-padded batch, as transformers' generate()
 decodes it). The plan works out once the packed offsets that read the slots in place (every
@@ -85,6 +92,7 @@ class DecodePlan:
         self.cache_seqlens, self.block_table, self.seqlen_new = cache_seqlens, block_table, seqlen_new
         self.seqused_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
         self.packed = None  # with cache_leftpad: (cu_seqlens_q, cu_seqlens_k, seqused_k) of the packed call
+        self.leftpad = cache_leftpad
         if cache_leftpad is not None:
             self.packed = leftpad_offsets(batch, q.shape[1], k_cache, self.pitch, cache_leftpad, self.seqused_k)
         self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, per_token_q)
@@ -102,7 +110,7 @@ class DecodePlan:
         if backend_name(q.device) == "triton":
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
-            q, k, v, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache)
+            q, k, v, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache, self.seqused_k)
             self._fwd = backend_for(q.device).plan_fwd(
                 q, k, v, out, lse, params=self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=self.seqlen_q, max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
@@ -110,13 +118,17 @@ class DecodePlan:
                 k_descale=self.descales[0])
             self._workspace = self._fwd.new_workspace(q.device)
 
-    def _operands(self, q, k_cache, v_cache) -> tuple:
-        """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call: its own
-        tensors, or with ``cache_leftpad`` the packed views of them (``kvcache.as_tokens``)."""
+    def _operands(self, q, k_cache, v_cache, seqused_k) -> tuple:
+        """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call over ``seqused_k``
+        keys per sequence: its own tensors, or with ``cache_leftpad`` the packed views of them
+        (``kvcache.as_tokens``)."""
         if self.packed is None:
-            return q, k_cache, v_cache, None, None, self.seqused_k
+            return q, k_cache, v_cache, None, None, seqused_k
         batch, seqlen_q, nheads, headdim = q.shape
-        return (q.reshape(batch * seqlen_q, nheads, headdim), *as_tokens(k_cache, v_cache, self.pitch), *self.packed)
+        cu_q, cu_k, used = self.packed
+        if seqused_k is not self.seqused_k:  # the lengths this layer's append wrote
+            used = seqused_k - self.leftpad
+        return q.reshape(batch * seqlen_q, nheads, headdim), *as_tokens(k_cache, v_cache, self.pitch), cu_q, cu_k, used
 
     def fits(self, q, k_cache, v_cache) -> bool:
         """Whether ``run`` takes these tensors (the shapes, strides, dtype and device planned)."""
@@ -145,6 +157,7 @@ class DecodePlan:
             V.fail(ValueError, "the plan was made with learnable_sink: pass each layer's" if self.sinks else
                                "the plan was made without learnable_sink: make one with sinks")
         sink = V.check_sink(learnable_sink, q, q.shape[2])
+        seqused_k = self.seqused_k
         if self.seqlen_new:
             for name, t in (("k", k), ("v", v)):
                 want = self._new_shapes[name]
@@ -153,12 +166,13 @@ class DecodePlan:
                     V.fail(ValueError, f"the plan appends {name} of shape {want} ({self._new_dtype}, "
                                        f"{k_cache.device}), got {getattr(t, 'shape', t)}")
             cos, sin, interleaved, per_token_q = self.rotary
-            q, _ = _append(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, cos, sin, interleaved,
-                           per_token_q, *self.descales)
+            # attention over the lengths the append wrote: cache_seqlens as it is now, plus the new keys
+            q, seqused_k = _append(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, cos, sin,
+                                   interleaved, per_token_q, *self.descales)
         elif k is not None or v is not None:
             V.fail(ValueError, "the plan was made with seqlen_new=0: it appends no k, v")
         batch, seqlen_q, nheads = q.shape[:3]
-        q, k_cache, v_cache, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache)
+        q, k_cache, v_cache, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache, seqused_k)
         if self._fwd is not None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
