@@ -9,6 +9,8 @@ on the GPU when there is one.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton.language as tl
@@ -139,6 +141,42 @@ def test_descriptor_kernels_hand_the_c_launcher_what_tritons_wrapper_would(jit, 
         compiled.run(2, 3, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), args[1], 7 + step, args[3], 32)
         assert direct == log.pop() and direct[14] == ("map", a.data_ptr(), 3, 2, 9, (64, 64), (128, 64), (64, 1), False)
     assert launch.fast_calls == 2 and len(jit.slow) == 1
+
+
+class _PlainCompiled(_DescCompiled):
+    """A compiled kernel without descriptors under Triton's own ``CudaLauncher``, whose
+    ``wrap_handle_tensordesc`` hands back the recording C launcher itself."""
+
+    SIGNATURE = {"X": "*fp32", "Y": "*fp32", "n": "i32", "seqlen": "i32", "BLOCK": "constexpr"}
+    META = None
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_plain_kernels_hand_the_c_launcher_what_the_cuda_launcher_would(jit, monkeypatch, scratch):
+    """A kernel without descriptors: once kept, its launches call the C launcher itself with the
+    arguments ``CudaLauncher.__call__`` would pass it (flags, no scratch); a kernel that needs
+    global scratch memory per launch keeps going through ``compiled.run``, which allocates it."""
+    log = []
+    compiled = _PlainCompiled(log)
+    compiled._run.global_scratch_size = scratch
+    allocations = []
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: lambda *a, **m: self.slow.append(a) or compiled)
+    if scratch:
+        from triton.runtime import _allocation
+
+        monkeypatch.setattr(_allocation, "_allocator", SimpleNamespace(
+            get=lambda: lambda size, align, stream: allocations.append(size) or "scratch"))
+    launch = L.Launch(jit, {"BLOCK": 32}, {})
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch((6, 2, 1), x, y, 48, 7)
+    assert len(jit.slow) == 1 and not log
+    for seqlen in (9, 11):
+        launch((6, 2, 1), x, y, 48, seqlen)
+        direct = log.pop()
+        compiled.run(6, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), y.data_ptr(), 48, seqlen, 32)
+        assert direct == log.pop()
+        assert direct[5:9] == (False, False, "scratch" if scratch else None, None)
+    assert launch.fast_calls == 2 and bool(launch.direct) == (not scratch) and len(allocations) == (4 if scratch else 0)
 
 
 class _GluonCompiled(_DescCompiled):
