@@ -333,7 +333,7 @@ def main():
     B._attn_bwd_dkdv_kernel, B._attn_bwd_dq_kernel = _Kernels(B._attn_bwd_dkdv_kernel), _Kernels(B._attn_bwd_dq_kernel)
     print_training("training step (µs, median), as on this CPU", TRAINING_CELLS[:2], args)
     # as on the H200: the Hopper rules' device test passed (sm_90, Gluon; the environment's switches,
-    # TILEATTN_HOPPER and TRITON_INTERPRET, still read as the real test reads them), the Gluon
+    # TILEATTN_HOPPER read per call, the interpreter from the kernels, as the real test does), the Gluon
     # kernels stand-ins too. Since the rules are asked in two parts (#17) the device is the part a
     # call signature fixes (device_kind_reason); fe41ec7 and before had only device_reason.
     HP.device_reason = HB.device_reason = h200_device_reason

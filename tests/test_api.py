@@ -319,3 +319,53 @@ def test_backward_grid_limit_is_checked_before_the_forward():
     with pytest.raises(ValueError, match="batch 65536"):
         tileattn.flash_attn_func(q.clone().requires_grad_(), q, q)
     assert tileattn.flash_attn_func(q, q, q).shape == q.shape
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_compile_fullgraph_kvcache_append_and_varlen(monkeypatch, paged):
+    """torch.compile(fullgraph=True) traces flash_attn_with_kvcache with an append (contiguous and
+    paged, rotary, and MLA's latent view v_cache = k_cache[..., :dv]) and flash_attn_varlen_func
+    without a graph break, with eager's outputs and cache writes."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
+    gen = torch.Generator().manual_seed(17)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    q, k, v = torch.randn(2, 3, 4, 24, generator=gen), torch.randn(2, 3, 2, 24, generator=gen), \
+        torch.randn(2, 3, 2, 24, generator=gen)
+    angles = torch.rand(32, 8, generator=gen) * 6.3
+    table = torch.randperm(10, generator=gen)[:8].view(2, 4).to(torch.int32) if paged else None
+    cache = torch.randn(*((10, 4) if paged else (2, 16)), 2, 24, generator=gen)
+
+    def step(q, k_cache, v_cache, k, v):
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, block_table=table,
+                                                rotary_cos=angles.cos(), rotary_sin=angles.sin(), causal=True,
+                                                return_softmax_lse=True)
+
+    def latent(q, k_cache, k):  # v_cache and v: the keys' first 16 entries
+        return tileattn.flash_attn_with_kvcache(q, k_cache, k_cache[..., :16], k=k, v=k[..., :16],
+                                                cache_seqlens=lens, block_table=table, causal=True)
+
+    caches = [(cache.clone(), cache.flip(0).clone()) for _ in range(2)]
+    (eo, el), (co, cl) = step(q, *caches[0], k, v), torch.compile(step, fullgraph=True, backend="aot_eager")(
+        q, *caches[1], k, v)
+    torch.testing.assert_close(co, eo, rtol=0, atol=0)
+    torch.testing.assert_close(cl, el, rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(*caches)) and not torch.equal(caches[0][0], cache)
+    kc_e, kc_c = cache.clone(), cache.clone()
+    eo = latent(q, kc_e, k)
+    co = torch.compile(latent, fullgraph=True, backend="aot_eager")(q, kc_c, k)
+    torch.testing.assert_close(co, eo, rtol=0, atol=0)
+    assert torch.equal(kc_c, kc_e) and not torch.equal(kc_e, cache)
+
+    cu_q, cu_k = torch.tensor([0, 3, 3, 10], dtype=torch.int32), torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    qv = torch.randn(10, 4, 24, generator=gen, requires_grad=True)
+    kv = torch.randn(12, 2, 24, generator=gen, requires_grad=True)
+    vv = torch.randn(12, 2, 24, generator=gen, requires_grad=True)
+
+    def varlen(q, k, v):
+        return tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, causal=True)
+
+    eo, co = varlen(qv, kv, vv), torch.compile(varlen, fullgraph=True, backend="aot_eager")(qv, kv, vv)
+    torch.testing.assert_close(co, eo, rtol=0, atol=0)
+    grad = torch.randn_like(eo)
+    for a, b in zip(torch.autograd.grad(co, (qv, kv, vv), grad), torch.autograd.grad(eo, (qv, kv, vv), grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -592,3 +592,18 @@ def test_partials_workspace_is_two_contiguous_views_of_one_buffer(shapes):
     o_parts.fill_(1.0)
     lse_parts.fill_(2.0)
     assert bool((o_parts == 1.0).all()) and bool((lse_parts == 2.0).all())
+
+
+def test_interpreting_is_what_the_kernels_are(monkeypatch):
+    """Whether the kernels run in Triton's interpreter is read from the kernels (Triton's jit decided
+    it when they were defined), not from the environment, which a later change cannot make true."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tileattn.gpu import _tuning
+    from tileattn.kernels.attn_fwd import _attn_fwd_kernel
+
+    expected = isinstance(_attn_fwd_kernel, InterpretedFunction)
+    for value in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert _tuning.interpreting() is expected
+    assert expected == (not torch.cuda.is_available())  # conftest: the interpreter where there is no GPU

@@ -141,3 +141,39 @@ def test_custom_op_passes_opcheck(monkeypatch):
     leaves = [t.requires_grad_(True) for t in (q, k, v, sink)]
     args = (*leaves[:3], None, None, None, None, None, leaves[3], 5, 7, 8**-0.5, -1, 0, 0.0, 0.0, 0, 1, False)
     torch.library.opcheck(_custom._fwd, args)
+
+
+def _op_cases(gen):
+    """tileattn::fwd's arguments as the public functions pass them (ALiBi slopes (batch, nheads),
+    offsets int32), for layouts and options the sink case above does not reach."""
+    q, k, v = rand(gen, 2, 5, 4, 16), rand(gen, 2, 7, 2, 16), rand(gen, 2, 7, 2, 16)
+    alibi = torch.rand(4, generator=gen).expand(2, 4)
+    qp, kp, vp = rand(gen, 9, 4, 16), rand(gen, 11, 2, 16), rand(gen, 11, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 4, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 6, 11], dtype=torch.int32)
+    pool_k, pool_v = rand(gen, 6, 4, 2, 16), rand(gen, 6, 4, 2, 16)
+    table, used = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32), torch.tensor([9, 5], dtype=torch.int32)
+    return {  # q, k, v, cu_q, cu_k, seqused_k, table, alibi, sink, max_q, max_k, scale, left, right, softcap,
+        # dropout_p, seed, num_splits, deterministic
+        "alibi, window, softcap": (q, k, v, None, None, None, None, alibi, None, 5, 7, 0.25, 3, 0, 5.0, 0.0, 0, 1,
+                                   False),
+        "dropout": (q, k, v, None, None, None, None, None, None, 5, 7, 0.25, -1, -1, 0.0, 0.3, 1234, 1, False),
+        "varlen, causal, an empty sequence": (qp, kp, vp, cu_q, cu_k, None, None, None, None, 5, 5, 0.25, -1, 0, 0.0,
+                                              0.0, 0, 1, False),
+        "paged cache, two splits": (rand(gen, 2, 1, 4, 16), pool_k, pool_v, None, None, used, table, None, None, 1, 12,
+                                    0.25, -1, 0, 0.0, 0.0, 0, 2, False),
+    }
+
+
+@pytest.mark.parametrize("case", ["alibi, window, softcap", "dropout", "varlen, causal, an empty sequence",
+                                  "paged cache, two splits"])
+def test_custom_op_passes_opcheck_on_each_layout(device, case):
+    """torch.library.opcheck of tileattn::fwd on both backends for ALiBi with a window and softcap,
+    dropout (its seed makes the op a function), varlen with an empty sequence and a paged cache with
+    splits (no gradients through a cache): fake kernel, schema, autograd registration, AOT dispatch."""
+    from tileattn.ops import _custom
+
+    args = _op_cases(torch.Generator().manual_seed(16))[case]
+    grad = args[5] is None  # no gradients through a KV cache
+    args = tuple(t.to(device).requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dim() > 1 else t.to(device) if isinstance(t, torch.Tensor) else t for t in args)
+    torch.library.opcheck(_custom._fwd, args)

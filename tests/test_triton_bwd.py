@@ -278,7 +278,7 @@ def test_dq_autotuner_skips_the_config_that_crashed(monkeypatch):
     while the dK/dV kernel keeps its own (128 keys, 32 rows, 4 warps), which ran clean."""
     from tileattn.gpu import backward as B
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's config lists (nothing is launched)
+    monkeypatch.setattr(B, "interpreting", lambda: False)  # the GPU's config lists (nothing is launched)
     for d in (64, 128):
         dq = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in B._configs("dq", (d,), 2)]
         assert dq and (128, 32, 4) not in dq

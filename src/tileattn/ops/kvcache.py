@@ -386,9 +386,10 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_d
     if k_descale is not None:
         k, v = quantize(k, k_descale), quantize(v, v_descale)
     batch, seqlen_new = k.shape[0], k.shape[1]
-    if _is_prefix_view(v_cache, k_cache) and _is_prefix_view(v, k):
-        v_cache = v = None
-    if k.device.type == "cpu" and batch <= _HOST_APPEND_MAX_BATCH:
+    compiling = torch.compiler.is_compiling()  # traced: no data pointers, no host reads of the lengths
+    if not compiling and _is_prefix_view(v_cache, k_cache) and _is_prefix_view(v, k):
+        v_cache = v = None  # (traced, v is written too: the same values, over the keys' first entries)
+    if k.device.type == "cpu" and batch <= _HOST_APPEND_MAX_BATCH and not compiling:
         _append_on_host(k_cache, v_cache, k, v, cache_seqlens.tolist(),
                         None if block_table is None else block_table.tolist())
         return
