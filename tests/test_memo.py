@@ -212,3 +212,26 @@ def test_signature_tells_apart_what_compares_equal():
     assert len(memo.entries) <= 2 and memo.get((2,)) == 2
     memo.put(None, 1)
     assert memo.get(None) is None
+
+
+def test_forward_ad_tangents_refused_after_kept_calls(device):
+    """A forward-mode AD input (``forward_ad.make_dual``) after calls that kept the signature's lane:
+    a clear refusal, as on its first call (the CPU lane returned a zero tangent, the Triton one none,
+    where a fresh CPU call failed inside torch); calls without tangents inside the level still run."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(75)
+    q, k, v = (torch.randn(1, 1, 4, 16, generator=gen) for _ in range(3))
+    lens = torch.tensor([1], dtype=torch.int32)
+    want = tileattn.flash_attn_func(q, k, v)
+    want_kv = tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    for _ in range(2):  # the second call of each signature takes its lane
+        assert torch.equal(tileattn.flash_attn_func(q, k, v), want)
+        assert torch.equal(tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens), want_kv)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn(q.shape, generator=gen))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tileattn.flash_attn_func(dual, k, v)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tileattn.flash_attn_with_kvcache(dual, k, v, cache_seqlens=lens)
+        assert torch.equal(tileattn.flash_attn_func(q, k, v), want)

@@ -47,10 +47,17 @@ tile or many, runs the tiled recurrence (``_fwd_range``).
 
 Causal and window masks align bottom-right: with ``off = seqlen_k - seqlen_q`` query i sees
 key j iff ``i + off - window_left <= j <= i + off + window_right`` (unbounded sides < 0).
+
+Every entry point computes in the dtypes it states whatever ``torch.autocast`` says
+(``without_autocast``): the Triton kernels do, and the accumulation in fp32 is the point. Under a
+CPU autocast region torch would otherwise run these matmuls in bf16 (fp32 inputs: errors of
+1e-2, or a dtype clash; bf16 inputs: their fp32 accumulation undone), and the lane's one-row step
+returned a bf16 output for fp32 inputs where the first call of its signature raised.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,6 +72,25 @@ BLOCK_M = 256  # query rows per block
 BLOCK_N = 512  # keys per tile
 TILE_ELEMS = 1 << 21  # score-tile elements (chunk x G x block_m x block_n) at most
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+# whether any autocast region is on (~0.08 us on the 2-core CPU machine, against ~0.28 for
+# torch.is_autocast_enabled("cpu"), which is asked only then)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def autocast_on() -> bool:
+    """Whether torch.autocast would change the dtype of this backend's CPU matmuls now."""
+    return _any_autocast() and torch.is_autocast_enabled("cpu")
+
+
+def without_autocast(fn):
+    """``fn`` run with CPU autocast off when it is on (see the module docstring)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if autocast_on():
+            with torch.autocast("cpu", enabled=False):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 # ------------------------------------------------------------------ sequences and views
@@ -592,6 +618,7 @@ class RowStep:
         return out.view(*self.out_shape), l.log_().add_(m, alpha=LN2).view(*self.lse_shape)
 
 
+@without_autocast
 def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              seqused_k=None, block_table=None, num_splits=1, learnable_sink=None, k_descale=None, v_descale=None,
@@ -715,6 +742,7 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dlse3, dq4, dk4, dv4, dsink, slopes, s
     dv4.copy_(dv_buf.view(B, Hk, Sk, Dv).transpose(1, 2))
 
 
+@without_autocast
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_slopes=None,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
              deterministic=False, dlse=None, learnable_sink=None, dsink=None,
@@ -744,6 +772,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params: AttnParams, alibi_s
                    bs.start, params, block_m, block_n, tile_elems)
 
 
+@without_autocast
 def merge_parts(o_parts, lse_parts, out, lse) -> None:
     """Merge partial states (S, B, Sq, H, Dv) / (S, B, H, Sq) over disjoint key sets into ``out``
     and ``lse`` (``tileattn.contract``), with ``tileattn.ops.merge.merge_many``."""

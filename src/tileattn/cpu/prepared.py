@@ -16,7 +16,9 @@ bound launch arguments do. Calls with dropout (a seed per call) get none.
 
 from __future__ import annotations
 
-from .attention import RowStep, attn_fwd, fwd_one_tile
+import torch
+
+from .attention import RowStep, attn_fwd, autocast_on, fwd_one_tile
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
 
@@ -46,6 +48,9 @@ class PreparedFwd:
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
 
     def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale):
+        if autocast_on():  # the steps' matmuls in the inputs' dtypes (``attention.without_autocast``)
+            with torch.autocast("cpu", enabled=False):
+                return self(q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale)
         self.calls += 1
         if self.row is not None:
             res = self.row(q, k, v, seqused_k)

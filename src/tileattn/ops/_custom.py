@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from ..contract import AttnParams
@@ -275,6 +276,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     A public function's memo entry may hold a prepared launch (``prepare``) that its later calls
     take instead of this function.
     """
+    if getattr(_forward_ad, "_current_level", -1) >= 0:  # a forward-mode AD level is open (~0.05 us to ask)
+        _no_tangents(q, k, v, alibi_slopes, learnable_sink)
     if torch.compiler.is_compiling():
         return _into(out, _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                                learnable_sink, int(max_seqlen_q), int(max_seqlen_k), params.softmax_scale,
@@ -289,6 +292,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
     call = _Call(params, int(max_seqlen_q), int(max_seqlen_k), seqused_k, block_table, int(num_splits),
                  bool(deterministic), k_descale, v_descale, backend)
     return _into(out, _record(q, k, v, call, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink))
+
+
+def _no_tangents(*tensors) -> None:
+    """Refuse inputs that carry a forward-mode AD tangent (``torch.autograd.forward_ad``): there is
+    no jvp rule, so the tangent would be dropped silently (the Triton kernels) or fail inside torch
+    (the CPU tiles)."""
+    for t in tensors:
+        if t is not None and _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError("tileattn has no forward-mode AD (jvp): an input carries a tangent "
+                                      "(torch.autograd.forward_ad.make_dual); use reverse mode (backward)")
 
 
 def _needs_graph(q, k, v, learnable_sink) -> bool:

@@ -22,7 +22,10 @@ to its value checks and that launch.
 
 A call that cannot be keyed exactly takes the full checks every time: an argument that is a
 tensor subclass (``nn.Parameter`` included), a Python int where a tensor may stand (a length),
-a list or other container as an option, and anything while torch.compile traces.
+a list or other container as an option, and anything while torch.compile traces or a forward-mode
+AD level is open (``torch.autograd.forward_ad.dual_level``: an input may carry a tangent, which
+no key holds; ``_custom.attention`` refuses such inputs, where a kept CPU lane returned a zero
+tangent and the Triton one none).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 __all__ = ["Memo", "signature"]
 
@@ -44,7 +48,7 @@ def signature(tensors: tuple, options: tuple, window_size, kv: tuple[int, int] |
     kinds = tuple(map(type, options))
     if (not _OPTION_TYPES.issuperset(kinds) or type(window_size) is not tuple or len(window_size) != 2
             or type(window_size[0]) is not int or type(window_size[1]) is not int
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or getattr(_forward_ad, "_current_level", -1) >= 0):
         return None
     key = [os.environ.get("TILEATTN_BACKEND", ""), torch.is_grad_enabled(), options, kinds, window_size]
     for t in tensors:

@@ -14,6 +14,9 @@ from ..contract import AttnParams
 
 
 def attention_probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor:
+    if torch.is_autocast_enabled(q.device.type):  # fp32 scores, as the kernel's (no autocast to 16 bits)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_probs(q, k, lse, params, alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
     qf = q.detach().float().transpose(1, 2)  # (B, H, Sq, D)
