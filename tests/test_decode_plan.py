@@ -154,6 +154,9 @@ def test_plan_rejects_a_layer_it_was_not_made_for():
     plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, seqlen_new=1)
     with pytest.raises(ValueError, match="differ from the tensors the plan was made with"):
         plan.run(q.double(), k_cache, v_cache, k=k_new, v=v_new)
+    for caches in ((k_cache.to("meta"), v_cache), (k_cache, v_cache.to("meta"))):  # a cache on another device
+        with pytest.raises(ValueError, match="differ from the tensors the plan was made with"):
+            plan.run(q, *caches, k=k_new, v=v_new)
     with pytest.raises(ValueError, match="the plan appends k"):
         plan.run(q, k_cache, v_cache, k=k_new[:, :0], v=v_new)
     with pytest.raises(ValueError, match="seqlen_new=0"):

@@ -66,7 +66,7 @@ from ..dropout_mask import keep_mask
 from ..contract import AttnParams
 from ..ops.merge import merge_many
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "without_autocast"]
 
 BLOCK_M = 256  # query rows per block
 BLOCK_N = 512  # keys per tile
@@ -214,18 +214,22 @@ def _needs_mask(params: AttnParams, off, i0, i1, j0, j1) -> bool:
     return (right >= 0 and j1 - 1 > i0 + off + right) or (left >= 0 and j0 < i1 - 1 + off - left)
 
 
-_BIAS: dict = {}
+_HIDDEN: dict = {}
 
 
-def _window_bias(params: AttnParams, off, i0, i1, j0, j1, acc):
-    """The tile's [rows, keys] window as an additive tile: 0 where the pair is inside, -inf
-    outside. It depends only on the tile's shape and its place relative to the diagonal, so it
-    is built once per such place and kept (decoding and prefills repeat them): building a mask
-    per call, and masked_fill on a broadcast view, cost several times this one add."""
+def _window_mask(params: AttnParams, off, i0, i1, j0, j1):
+    """The tile's [rows, keys] window as booleans: True where the pair is outside (hidden). It
+    depends only on the tile's shape and its place relative to the diagonal, so it is built once
+    per such place and kept (decoding and prefills repeat them).
+
+    Scores are hidden with ``masked_fill_``, not by adding a tile of 0 / -inf (a few times
+    cheaper on a row-major tile): a NaN or +inf score (a NaN or inf in a key) plus -inf is NaN,
+    which then reached every row of the tile, rows that cannot see that key included; torch's
+    softmax attention with a masked_fill (and the Triton kernels' ``tl.where``) keep them clean."""
     left, right = params.window_left, params.window_right
-    key = (i1 - i0, j1 - j0, j0 - i0 - off, left, right, acc)
-    bias = _BIAS.get(key)
-    if bias is None:
+    key = (i1 - i0, j1 - j0, j0 - i0 - off, left, right)
+    hidden = _HIDDEN.get(key)
+    if hidden is None:
         rows = torch.arange(i1 - i0).view(-1, 1)
         cols = torch.arange(j1 - j0).view(1, -1) + (j0 - i0 - off)  # key j - (row i's diagonal i + off)
         hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)
@@ -233,10 +237,10 @@ def _window_bias(params: AttnParams, off, i0, i1, j0, j1, acc):
             hidden |= cols > rows + right
         if left >= 0:
             hidden |= cols < rows - left
-        if len(_BIAS) >= 256:
-            _BIAS.clear()
-        bias = _BIAS[key] = torch.zeros(i1 - i0, j1 - j0, dtype=acc).masked_fill_(hidden, float("-inf"))
-    return bias
+        if len(_HIDDEN) >= 256:
+            _HIDDEN.clear()
+        _HIDDEN[key] = hidden
+    return hidden
 
 
 class _Tiles:
@@ -309,7 +313,7 @@ class _Tiles:
             slopes = self.neg_slopes[t0:t0 + c].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
             s4.addcmul_(slopes, (rows - cols).abs())
         if masked:
-            s4.add_(_window_bias(self.p, self.off, i0, i1, j0, j1, self.acc))
+            s4.masked_fill_(_window_mask(self.p, self.off, i0, i1, j0, j1), float("-inf"))
         return s, th
 
     def keep(self, t0, c, i0, i1, j0, j1):
@@ -456,7 +460,7 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
     ALiBi or dropout (decoding, short prefills), over the first Sk keys of k4/v4: the single
     step on the whole [B*Hk, G*Sq, Sk] score tile in a handful of ops (each costs more in
     Python and dispatch than in arithmetic here). The q, k, v views go to the batched matmuls
-    as they are (bmm takes their strides), the window is one add of a cached ``_window_bias``,
+    as they are (bmm takes their strides), the window is one masked_fill of a cached ``_window_mask``,
     and the division by l writes (and casts) straight into ``out``::
 
         s = qscale q k^T (window: -inf);  m = rowmax(s);  p = exp2(s - m);  l = rowsum(p) (+ exp2(sink - m))
@@ -490,7 +494,7 @@ def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None
         vh = vh.view(B, Hk, Sk, Dv).masked_fill(hidden.view(B, 1, Sk, 1), 0.0).view(BH, Sk, Dv)
     off = Sk - Sq + params.diag_shift
     if _needs_mask(params, off, 0, Sq, 0, Sk):
-        s.view(BH, G, Sq, Sk).add_(_window_bias(params, off, 0, Sq, 0, Sk, acc))
+        s.view(BH, G, Sq, Sk).masked_fill_(_window_mask(params, off, 0, Sq, 0, Sk), float("-inf"))
     m = torch.amax(s, -1, True)  # [B*Hk, G*Sq, 1], finite: every row sees a key
     p = s.sub_(m).exp2_()
     l = torch.sum(p, -1, True)

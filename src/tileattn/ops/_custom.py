@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..contract import AttnParams
 from .backend import backend_for
@@ -288,7 +289,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, params: AttnParams, *, alibi_slop
         res = _run_fwd(q, k, v, params, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                        int(max_seqlen_k), seqused_k, block_table, int(num_splits), learnable_sink, k_descale,
                        v_descale, out if direct else None, backend)
-        return res if direct else _into(out, res)
+        if out is None:
+            return res
+        if direct:  # the Triton kernels wrote out through its pointer: its version counter, as an in-place op's
+            increment_version(out)
+            return res
+        return _into(out, res)
     call = _Call(params, int(max_seqlen_q), int(max_seqlen_k), seqused_k, block_table, int(num_splits),
                  bool(deterministic), k_descale, v_descale, backend)
     return _into(out, _record(q, k, v, call, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink))

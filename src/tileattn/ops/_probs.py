@@ -14,13 +14,18 @@ from ..contract import AttnParams
 
 
 def attention_probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor:
-    if torch.is_autocast_enabled(q.device.type):  # fp32 scores, as the kernel's (no autocast to 16 bits)
-        with torch.autocast(q.device.type, enabled=False):
-            return attention_probs(q, k, lse, params, alibi_slopes)
+    """(batch, nheads, seqlen_q, seqlen_k) in the LSE's dtype (fp64 for fp64 inputs, else fp32),
+    computed with autocast off: its matmul would otherwise run in the autocast dtype."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _probs(q, k, lse, params, alibi_slopes)
+
+
+def _probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor:
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
-    qf = q.detach().float().transpose(1, 2)  # (B, H, Sq, D)
-    kf = k.detach().float().transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = q.detach().to(acc).transpose(1, 2)  # (B, H, Sq, D)
+    kf = k.detach().to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
     s = (qf @ kf.transpose(-1, -2)) * params.softmax_scale
     if params.softcap > 0:
         s = params.softcap * torch.tanh(s / params.softcap)
@@ -33,8 +38,8 @@ def attention_probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor
         seen &= cols <= rows + params.window_right
     if params.window_left >= 0:
         seen &= cols >= rows - params.window_left
-    live = torch.isfinite(lse.detach().float())[..., None]
-    p = torch.where(seen & live, torch.exp(s - lse.detach().float()[..., None]), 0.0)
+    live = torch.isfinite(lse.detach().to(acc))[..., None]
+    p = torch.where(seen & live, torch.exp(s - lse.detach().to(acc)[..., None]), 0.0)
     if params.dropout_p > 0:
         r = torch.arange(seqlen_q, dtype=torch.int64)
         c = torch.arange(seqlen_k, dtype=torch.int64)

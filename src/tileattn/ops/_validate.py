@@ -133,6 +133,8 @@ def make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dr
 
 
 _PARAMS: dict = {}
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_MAX_FACTOR = _FP32_MAX / math.log2(math.e)  # the largest x whose x * log2(e) is a float32
 
 
 def _make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, dropout_p, dropout_seed) -> AttnParams:
@@ -142,12 +144,21 @@ def _make_params(headdim: int, *, softmax_scale, causal, window_size, softcap, d
         fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale):
         fail(ValueError, f"softmax_scale must be finite, got {softmax_scale!r}")
+    if abs(softmax_scale) > _MAX_FACTOR:  # scale * log2(e) must be a float32: else inf, NaN scores
+        fail(ValueError, f"softmax_scale must lie within +-{_MAX_FACTOR:.4g} (scale * log2(e) is a float32 in the "
+                         f"kernels), got {softmax_scale!r}")
     check_flags(causal=causal)
     left, right = window(window_size)
     if causal:
         right = 0
     if not _real(softcap) or not softcap >= 0 or not math.isfinite(softcap):
         fail(ValueError, f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    # the kernels compute cap * tanh(s * scale / cap) with cap * log2(e) and scale / cap as float32 factors:
+    # one that overflows (a softcap of 1e39, or of 1e-40 with scale 0.1) turned every score into NaN
+    if softcap > 0 and (softcap > _MAX_FACTOR or abs(softmax_scale) / softcap > _FP32_MAX):
+        fail(ValueError, f"softcap must lie within |softmax_scale| / {_FP32_MAX:.4g} .. {_MAX_FACTOR:.4g} (its "
+                         f"factors cap * log2(e) and softmax_scale / cap are float32 in the kernels), got {softcap!r} "
+                         f"with softmax_scale {softmax_scale!r}")
     if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return AttnParams(float(softmax_scale), left, right, float(softcap), float(dropout_p), int(dropout_seed))
@@ -320,6 +331,8 @@ def check_new_kv(k, v, k_cache, v_cache, batch: int, dtype=None) -> None:
         fail(ValueError, "pass both k and v to append, or neither")
     if k is None:
         return
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
     for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             fail(ValueError, f"new {name} must be 4-D (batch, seqlen_new, nheads_k, headdim), got "
@@ -392,13 +405,53 @@ def check_descales(k_cache, q, k_descale, v_descale, batch: int, prefix: str = "
 
 
 def check_out(out, q, v) -> None:
-    """An ``out=`` buffer: q's shape with v's head dim, q's dtype and device (any strides)."""
+    """An ``out=`` buffer: q's shape with v's head dim, q's dtype and device (any strides whose
+    elements do not share memory), not requiring grad while grad mode is on."""
     if out is None:
         return
     want = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
         fail(ValueError, f"out must be a tensor of shape {want}, dtype {q.dtype} on {q.device}, got "
                          f"{getattr(out, 'shape', type(out).__name__)!r} {getattr(out, 'dtype', '')}")
+    check_writable("out", out)
+    if out.requires_grad and torch.is_grad_enabled():
+        # torch refuses an in-place write into such a tensor (a leaf) or records it; the kernels write
+        # out directly: the Triton path overwrote a leaf requiring grad unnoticed, the CPU path stopped
+        # in its last op
+        fail(ValueError, "out requires grad: it is written in place, outside autograd. Pass a tensor that does not "
+                         "require grad (the returned output carries the gradient), or call under torch.no_grad()")
+
+
+def check_states(outs, lses, what: str) -> None:
+    """Partial states for ``merge_states`` / ``merge_many``: floating-point tensors (an integer o came
+    back truncated to integers, a complex one merged with a warning), each o of one shape with an lse
+    (..., nheads, seqlen) for its (..., seqlen, nheads, headdim), all on one device."""
+    for name, parts in (("o", outs), ("lse", lses)):
+        for t in parts:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                fail(TypeError, f"{what}: every {name} must be a floating-point tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
+    o0, l0 = outs[0], lses[0]
+    if any(o.shape != o0.shape for o in outs) or any(lse.shape != l0.shape for lse in lses):
+        fail(ValueError, f"{what}: states differ in shape: o {[tuple(o.shape) for o in outs]}, "
+                         f"lse {[tuple(lse.shape) for lse in lses]}")
+    if o0.dim() < 3 or l0.shape != o0.shape[:-3] + (o0.shape[-2], o0.shape[-3]):
+        fail(ValueError, f"{what}: lse shape {tuple(l0.shape)} does not match o shape {tuple(o0.shape)}: "
+                         f"expected o (..., seqlen, nheads, headdim) with lse (..., nheads, seqlen)")
+    if any(t.device != o0.device for t in (*outs, *lses)):
+        fail(ValueError, f"{what}: states must be on one device, got {sorted({str(t.device) for t in (*outs, *lses)})}")
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """A tensor tileattn writes in place (``out``, a cache it appends to) must not be an expanded
+    view (stride 0 on a dimension of size > 1): its elements share memory, so the kernels' writes
+    for one batch row or slot land in the others' (the Triton path gave silently wrong outputs and
+    caches, the CPU path stopped on torch's internal-overlap error after the checks)."""
+    for size, stride in zip(t.shape, t.stride()):
+        if stride == 0 and size > 1:
+            fail(ValueError, f"{name} is written in place but is an expanded view (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}): several of its elements share one memory location. Pass a tensor that "
+                             f"owns its elements ({name}.clone())")
 
 
 def check_sink(learnable_sink, q: torch.Tensor, nheads: int) -> torch.Tensor | None:

@@ -70,6 +70,9 @@ class DecodePlan:
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
         V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
+        if seqlen_new:  # every layer's caches have these strides (``run`` checks them)
+            V.check_writable("k_cache", k_cache)
+            V.check_writable("v_cache", v_cache)
         num_splits = V.num_splits(num_splits)
         batch = q.shape[0]
         self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
@@ -139,7 +142,8 @@ class DecodePlan:
         # whether v_cache is k_cache's leading columns (MLA's latent) is part of it: the plan reads
         # the value tile from the key tile then, and the append writes the latent once
         return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
-                v_cache.stride(), k_cache.dtype, v_cache.dtype, _is_prefix_view(v_cache, k_cache))
+                v_cache.stride(), k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
+                _is_prefix_view(v_cache, k_cache))
 
     def run(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
         """One layer's attention: out (batch, seqlen_q, nheads, headdim_v), or ``(out, lse)``.

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..contract import AttnParams
 from . import _validate as V
@@ -353,6 +354,11 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, int
             k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=cos, rotary_sin=sin,
             interleaved=interleaved, q=q if fuse_q else None, q_per_token=per_token_q, seqused_out=seqused,
             k_descale=k_descale, v_descale=v_descale)
+        # the kernel wrote through data pointers: tell autograd, as torch's own in-place writes do (a
+        # tensor saved for a backward that shares the cache's storage must fail that backward, not
+        # silently give gradients of the overwritten values; the torch path below bumps them itself)
+        increment_version(k_cache)
+        increment_version(v_cache)
         return (q if q_rot is None else q_rot), seqused
     if cos is not None:
         q, k = _rotate(q, k, cos, sin, cache_seqlens, interleaved, per_token_q)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import check_states
+
 __all__ = ["merge_states", "merge_many", "merge_into", "merge_sink"]
 
 
@@ -40,12 +42,7 @@ def _empty_safe(combine, lses: tuple, empty: torch.Tensor) -> torch.Tensor:
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
     """Merge two partial states; returns ``(o, lse)`` with o in o_a's dtype and lse in fp32."""
-    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
-        raise ValueError(f"states differ in shape: o {tuple(o_a.shape)} vs {tuple(o_b.shape)}, "
-                         f"lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}")
-    if lse_a.shape != o_a.shape[:-1][:-2] + (o_a.shape[-2], o_a.shape[-3]):
-        raise ValueError(f"lse shape {tuple(lse_a.shape)} does not match o shape {tuple(o_a.shape)}: "
-                         "expected o (..., seqlen, nheads, headdim) with lse (..., nheads, seqlen)")
+    check_states((o_a, o_b), (lse_a, lse_b), "merge_states")
     acc = torch.promote_types(torch.float32, lse_a.dtype)
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
     lse = _empty_safe(torch.logaddexp, (lse_a, lse_b), torch.isneginf(lse_a) & torch.isneginf(lse_b))
@@ -57,6 +54,7 @@ def merge_many(outs, lses):
     """Merge a list of partial states over disjoint key sets (all at once, fp32 accumulation)."""
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError("merge_many needs as many lse tensors as outputs, at least one")
+    check_states(outs, lses, "merge_many")
     acc = torch.promote_types(torch.float32, lses[0].dtype)
     lse_all = torch.stack([x.to(acc) for x in lses])  # [S, ..., H, Sq]
     lse = _empty_safe(lambda x: torch.logsumexp(x, dim=0), (lse_all,), torch.isneginf(lse_all).all(0))
