@@ -509,3 +509,78 @@ def test_partials_take_no_counter(fwd_launches):
                                 seqused_k=torch.tensor([500], dtype=torch.int32), max_seqlen_k=512)
     [(constexprs, args)] = fwd_launches
     assert not constexprs["DYNAMIC"] and args[COUNTER] is None and type(args[COUNTER + 1]) is int  # strides follow
+
+
+def _heads_first(batch, seqlen, heads, head_dim, *, packed=False):
+    """A (B, S, H, D) (packed: (T, H, D)) bf16 view of a heads-first buffer on the meta device: its
+    heads lie S * D elements apart (nothing allocated)."""
+    base = torch.empty(0, dtype=torch.bfloat16, device="meta")
+    if packed:
+        return base.as_strided((seqlen, heads, head_dim), (head_dim, seqlen * head_dim, 1))
+    return base.as_strided((batch, seqlen, heads, head_dim),
+                           (heads * seqlen * head_dim, head_dim, seqlen * head_dim, 1))
+
+
+@pytest.mark.parametrize("case", ["dense hdim 256", "dense hdim 128", "packed", "lse"])
+def test_forward_rule_refuses_outputs_whose_head_offsets_wrap_int32(monkeypatch, case):
+    """The Gluon forward's register store and lse store compute a head's offset as ``h * stride`` in
+    int32 (kernels/attn_fwd_hopper.py, ``o_row``, ``l_row``): an ``out=`` view of a heads-first buffer
+    whose last head starts 2**31 elements in or more (here the 32nd, 2**27 apart) wraps, writes out of bounds on
+    the GPU. The rule sends such calls to the portable kernel (int64 offsets); the contiguous outputs of
+    the same shapes, and a last head just inside int32, stay on the Gluon kernel. (The TMA
+    store's descriptor has no such product, but a kept launch stores from registers when a later
+    ``out`` is not 16-byte aligned, so every head dim is covered.)"""
+    monkeypatch.setattr(hopper, "device_kind_reason", lambda q: None)
+    monkeypatch.setattr(hopper, "interpreting", lambda: False)
+    monkeypatch.setenv("TILEATTN_HOPPER", "1")
+    heads, packed = 32, case == "packed"
+    head_dim = 128 if case in ("dense hdim 128", "packed") else 256
+    seqlen = 2**27 // head_dim  # heads 2**27 elements apart: 31 x 2**27 > 2**31
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty((seqlen, heads, head_dim) if packed else (1, seqlen, heads, head_dim), **meta)
+    lse = torch.empty((heads, seqlen) if packed else (1, heads, seqlen), device="meta")
+    out = _heads_first(1, seqlen, heads, head_dim, packed=packed)
+    if case == "lse":  # an lse (B, H, S) whose heads lie 2**27 elements apart: a view of a wider buffer
+        out, lse = torch.empty_like(q), torch.empty(0, device="meta").as_strided((1, heads, seqlen), (0, 2**27, 1))
+    opts = dict(alibi_slopes=None, varlen=packed, paged=False, seqused_k=None, num_splits=1,
+                max_seqlen_q=seqlen if packed else 0)
+    params = AttnParams(head_dim**-0.5, -1, 0)
+    assert hopper.hopper_fwd_reason(q, q, q, params, **opts) is None  # the outputs not given: q, k, v pass
+    assert hopper.hopper_fwd_reason(q, q, q, params, **opts, out=out, lse=lse) == "output head offsets past int32"
+    assert hopper.fwd_signature_reason(q, q, q, params, **opts, out=out, lse=lse) == "output head offsets past int32"
+    contiguous = torch.empty_like(q), torch.empty(lse.shape, device="meta")
+    assert hopper.hopper_fwd_reason(q, q, q, params, **opts, out=contiguous[0], lse=contiguous[1]) is None
+    # heads (2**31 - 1) // 31 elements apart: the last head's offset just inside int32
+    edge = torch.empty(0, **meta).as_strided(q.shape, (*q.stride()[:-2], (2**31 - 1) // (heads - 1), 1))
+    assert hopper.hopper_fwd_reason(q, q, q, params, **opts, out=edge, lse=contiguous[1]) is None
+
+
+def test_attn_fwd_and_prepare_fwd_give_the_rule_their_outputs(monkeypatch):
+    """``attn_fwd`` and ``prepare_fwd`` hand the outputs to the forward's Hopper rule (an ``out=``
+    view reaches ``attn_fwd`` as it is), so the output check above runs on the calls it guards."""
+    from tileattn.gpu import attention, prepared
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def rule(*args, **kwargs):
+        seen.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(attention, "hopper_fwd_reason", rule)
+    monkeypatch.setattr(prepared, "fwd_signature_reason", rule)
+    plan = attention.FwdPlan.__new__(attention.FwdPlan)
+    plan.long, plan.fwd = None, object()  # a tuned plan of one launch: prepare_fwd then asks the rule
+    monkeypatch.setattr(attention, "plan_fwd", lambda *a, **k: plan)
+    q, k, v = _dense(1, 256, 2, 64)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 256)
+    with pytest.raises(Stop):
+        attention.attn_fwd(q, k, v, out, lse, params=AttnParams(0.125))
+    assert seen[-1]["out"] is out and seen[-1]["lse"] is lse
+    with pytest.raises(Stop):
+        prepared.prepare_fwd(q, k, v, out, lse, params=AttnParams(0.125), alibi_slopes=None, max_seqlen_q=256,
+                             max_seqlen_k=256, seqused_k=None, block_table=None, num_splits=1, learnable_sink=None,
+                             k_descale=None)
+    assert len(seen) == 2 and seen[-1]["out"] is out and seen[-1]["lse"] is lse

@@ -182,3 +182,15 @@ def test_merge_refuses_non_floating_states():
         tileattn.merge_many([o, o[:1]], [lse, lse])
     merged, merged_lse = tileattn.merge_many([o, o], [lse, lse])
     assert torch.allclose(merged, o, atol=1e-6) and torch.allclose(merged_lse, lse + torch.log(torch.tensor(2.0)))
+
+
+@pytest.mark.parametrize("window", [(-1, 2**31 - 2), (2**31 - 2, 0), (2**40, 2**30)])
+def test_window_sides_past_any_sequence_mean_unbounded(device, window):
+    """A window side of 2**30 or more reaches every key: the call equals the unbounded side's. The
+    kernels added a side to a position in int32: (-1, 2**31 - 2) wrapped and hid keys (error 1.55)."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=gen).to(device) for _ in range(3))
+    bounded = tuple(-1 if w >= 2**30 else w for w in window)
+    got = tileattn.flash_attn_func(q, k, v, window_size=window)
+    want = tileattn.flash_attn_func(q, k, v, window_size=bounded)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -250,7 +250,8 @@ def attn_fwd(q, k, v, out, lse, *, params: AttnParams, alibi_slopes=None,
     paged = block_table is not None
     assert num_splits >= 0 and (seqused_k is not None or not paged), "inputs are validated by tileattn.ops"
     if hopper_fwd_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=varlen, paged=paged,
-                         seqused_k=seqused_k, num_splits=num_splits, max_seqlen_q=max_seqlen_q) is None:
+                         seqused_k=seqused_k, num_splits=num_splits, max_seqlen_q=max_seqlen_q, out=out,
+                         lse=lse) is None:
         hopper_attn_fwd(q, k, v, out, lse, params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink)
         return

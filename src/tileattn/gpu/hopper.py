@@ -178,24 +178,26 @@ def options_reason(params: AttnParams, alibi_slopes) -> str | None:
 
 
 def hopper_fwd_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
-                      num_splits: int, max_seqlen_q: int = 0) -> str | None:
+                      num_splits: int, max_seqlen_q: int = 0, out=None, lse=None) -> str | None:
     """None when the Hopper kernel can compute this forward call, else why not (one short phrase).
 
     The shape checks come first: a decoding call, the most frequent and the shortest, is told
     no before the environment and the device are looked at. All but the environment
     (``switch_reason``) and the data pointers' alignment are fixed by the call's signature:
-    ``fwd_signature_reason`` asks them once, ``call_reason`` the rest."""
+    ``fwd_signature_reason`` asks them once, ``call_reason`` the rest. ``out``/``lse``, when given,
+    are the outputs the call writes (``_outputs_reason``)."""
     return (_fwd_shape_reason(q, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_reason(q)
-            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen) or _pointers_reason(q, k, v))
+            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen) or _outputs_reason(q, out, lse)
+            or _pointers_reason(q, k, v))
 
 
 def fwd_signature_reason(q, k, v, params: AttnParams, *, alibi_slopes, varlen: bool, paged: bool, seqused_k,
-                         num_splits: int, max_seqlen_q: int = 0) -> str | None:
+                         num_splits: int, max_seqlen_q: int = 0, out=None, lse=None) -> str | None:
     """The part of ``hopper_fwd_reason`` that every call with these tensors' metadata (shapes,
     strides, dtypes, device) and these options answers alike; a call passes the whole rule when
     this is None and ``call_reason(q, k, v)`` is None."""
     return (_fwd_shape_reason(q, varlen, paged, seqused_k, num_splits, max_seqlen_q) or device_kind_reason(q)
-            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen))
+            or _fwd_operands_reason(q, k, v, params, alibi_slopes, varlen) or _outputs_reason(q, out, lse))
 
 
 def call_reason(*tensors) -> str | None:
@@ -221,6 +223,24 @@ def _fwd_operands_reason(q, k, v, params: AttnParams, alibi_slopes, varlen: bool
     if q.shape[0] == 0 or k.shape[0 if varlen else 1] == 0:
         return "empty batch or keys"
     return options_reason(params, alibi_slopes) or _strides_reason(q, k, v)
+
+
+_I32_LIMIT = 2**31
+
+
+def _outputs_reason(q, out, lse) -> str | None:
+    """Why the Gluon forward cannot write ``out`` (B, S, H, Dv) or packed (T, H, Dv) and ``lse`` (B, H, S)
+    or packed (H, T), or None. Its register store and its lse store (kernels/attn_fwd_hopper.py,
+    ``o_row``/``l_row``) compute a row's head offset as ``h * stride`` in int32 (the batch and row terms
+    are int64), so a layout whose heads lie 2**31 elements apart or more (an ``out=`` view of a heads-first
+    (B, H, S, D) buffer with H * S * D >= 2**31 a batch) wraps: writes out of bounds. The portable kernel
+    takes int64 offsets. The register store serves every packed call, head dim 256, and a kept launch's
+    call whose ``out`` is not 16-byte aligned, so the rule asks it of every ``out``."""
+    heads = q.shape[-2]
+    for t in (out, lse):
+        if t is not None and t.dim() >= 2 and t.stride(-2) * max(heads - 1, 0) >= _I32_LIMIT:
+            return "output head offsets past int32"
+    return None
 
 
 def _operands_reason(q, k, v) -> str | None:

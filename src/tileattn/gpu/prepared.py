@@ -61,7 +61,7 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
     out_like_q = out.shape == q.shape and q.stride() == contiguous_strides(q.shape)
     hopper = fwd_signature_reason(q, k, v, params, alibi_slopes=alibi_slopes, varlen=False,
                                   paged=block_table is not None, seqused_k=seqused_k, num_splits=num_splits,
-                                  max_seqlen_q=max_seqlen_q) is None
+                                  max_seqlen_q=max_seqlen_q, out=out, lse=lse) is None
     # the cache's value check folded into the kernel: public calls only (the diagonal where the last
     # query block's splits read every page in use, kernels/attn_fwd.py)
     checking = (plan.checking_launch(), plan.checking_launch(merged=True)) \

@@ -75,10 +75,16 @@ def integer(name: str, value, minimum: int | None = None) -> int:
     return value
 
 
+UNBOUNDED_WINDOW = 2**30  # a window side this wide reaches every key of any sequence a GPU can hold: -1
+
+
 def window(window_size) -> tuple[int, int]:
-    """(left, right) from any pair of integer-likes: tuple, list, tensor or numpy array of 2."""
+    """(left, right) from any pair of integer-likes: tuple, list, tensor or numpy array of 2. A side
+    of ``UNBOUNDED_WINDOW`` or more is -1 (unbounded), as it means: the kernels add a side to a
+    position in int32, and a side near 2**31 wrapped around (a window that hid keys it covered)."""
     if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
-            and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1:
+            and type(window_size[1]) is int and -1 <= window_size[0] < UNBOUNDED_WINDOW \
+            and -1 <= window_size[1] < UNBOUNDED_WINDOW:
         return window_size  # the usual case, (-1, -1) or a window of ints, without the general path
     if isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 and len(window_size) == 2:
         if window_size.dtype in (torch.bool, np.bool_) or not (
@@ -94,7 +100,7 @@ def window(window_size) -> tuple[int, int]:
     left, right = (integer(f"window_size[{i}]", w) for i, w in enumerate(entries))
     if left < -1 or right < -1:
         fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {(left, right)}")
-    return left, right
+    return tuple(-1 if w >= UNBOUNDED_WINDOW else w for w in (left, right))
 
 
 def check_flags(**flags) -> None:
