@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from tileattn import (PagedKVCache, cascade_attn_with_kvcache, flash_attn_func, flash_attn_varlen_func,
                       flash_attn_with_kvcache)
+from tileattn.cli import Parser, at_least  # the CLI's one-line refusals and integer bounds
 from tileattn.ops.fp8 import FP8_DTYPE
 
 FP8_DESCALE = 8.0 / 448  # keys and values of this tiny model stay within +-8: e4m3's range scaled to it
@@ -320,28 +321,6 @@ def check(model: TinyDecoder, req: dict) -> float:
                    lambda layer, q, k, v: flash_attn_func(q, k, v, causal=True))[0, len(req["prompt"]) - 1:]
     chosen = torch.tensor(req["out"], device=seq.device)
     return float((logits.max(-1).values - logits.gather(-1, chosen[:, None])[:, 0]).max())
-
-
-class Parser(argparse.ArgumentParser):
-    """Refusals in one line on stderr (exit status 2) instead of usage + error."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
-        return value
-
-    return parse
 
 
 at_least_one = at_least(1)
