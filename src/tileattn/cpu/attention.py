@@ -72,6 +72,9 @@ BLOCK_M = 256  # query rows per block
 BLOCK_N = 512  # keys per tile
 TILE_ELEMS = 1 << 21  # score-tile elements (chunk x G x block_m x block_n) at most
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+# every tensor this path allocates, named on its device: this path runs on CPU tensors only, and a
+# user's torch.set_default_device (e.g. "cuda") must not move its scratch, masks or buffers
+_CPU = torch.device("cpu")
 # whether any autocast region is on (~0.08 us on the 2-core CPU machine, against ~0.28 for
 # torch.is_autocast_enabled("cpu"), which is asked only then)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -197,7 +200,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _heads_first(x, acc, scale=1.0):
     """(B, S, H, D) any strides -> contiguous (B * H, S, D) in the accumulation dtype."""
     B, S, H, D = x.shape
-    y = torch.empty((B, H, S, D), dtype=acc)
+    y = torch.empty((B, H, S, D), dtype=acc, device=_CPU)
     y.copy_(x.permute(0, 2, 1, 3))
     if scale != 1.0:
         y.mul_(scale)
@@ -230,9 +233,9 @@ def _window_mask(params: AttnParams, off, i0, i1, j0, j1):
     key = (i1 - i0, j1 - j0, j0 - i0 - off, left, right)
     hidden = _HIDDEN.get(key)
     if hidden is None:
-        rows = torch.arange(i1 - i0).view(-1, 1)
-        cols = torch.arange(j1 - j0).view(1, -1) + (j0 - i0 - off)  # key j - (row i's diagonal i + off)
-        hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool)
+        rows = torch.arange(i1 - i0, device=_CPU).view(-1, 1)
+        cols = torch.arange(j1 - j0, device=_CPU).view(1, -1) + (j0 - i0 - off)  # key j - (row i's diagonal i + off)
+        hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool, device=_CPU)
         if right >= 0:
             hidden |= cols > rows + right
         if left >= 0:
@@ -269,7 +272,8 @@ class _Tiles:
         """A reused tile-sized scratch tensor of ``shape`` (fresh pages per tile are slow)."""
         n = math.prod(shape)
         if name not in self._bufs or self._bufs[name].numel() < n:
-            self._bufs[name] = torch.empty(max(n, self.chunk * self.G * self.bm * self.bn), dtype=self.acc)
+            self._bufs[name] = torch.empty(max(n, self.chunk * self.G * self.bm * self.bn), dtype=self.acc,
+                                             device=_CPU)
         return self._bufs[name][:n].view(shape)
 
     def key_range(self, i0, i1, lo, hi):
@@ -308,8 +312,8 @@ class _Tiles:
             return s, th
         s4 = s.view(c, n, self.G, i1 - i0).permute(0, 2, 3, 1) if keys_first else s.view(c, self.G, i1 - i0, n)
         if self.neg_slopes is not None:
-            rows = torch.arange(i0, i1, dtype=self.acc).view(-1, 1) + self.off
-            cols = torch.arange(j0, j1, dtype=self.acc).view(1, -1)
+            rows = torch.arange(i0, i1, dtype=self.acc, device=_CPU).view(-1, 1) + self.off
+            cols = torch.arange(j0, j1, dtype=self.acc, device=_CPU).view(1, -1)
             slopes = self.neg_slopes[t0:t0 + c].view(-1, self.G, 1, 1)  # [c, G, 1, 1]
             s4.addcmul_(slopes, (rows - cols).abs())
         if masked:
@@ -321,8 +325,8 @@ class _Tiles:
         element (b, h, i, j) hashes as bh = b * stride + bh0 + h, i + i0, j + j0, the coordinates it
         has in the whole batch (``AttnParams.dropout_offsets``; bh = b * H + h for a plain call)."""
         bh0, stride, r0, c0 = self.p.dropout_offsets(self.H)
-        rows, cols = torch.arange(i0, i1) + r0, torch.arange(j0, j1) + c0
-        z = torch.empty(c * self.G, i1 - i0, j1 - j0, dtype=self.acc)
+        rows, cols = torch.arange(i0, i1, device=_CPU) + r0, torch.arange(j0, j1, device=_CPU) + c0
+        z = torch.empty(c * self.G, i1 - i0, j1 - j0, dtype=self.acc, device=_CPU)
         Hk = self.H // self.G
         for x in range(c * self.G):
             b, hk = divmod(t0 + x // self.G, Hk)  # the pair's batch (in this group) and key head
@@ -407,8 +411,8 @@ def _fwd_group(q4, k4, v4, out4, lse3, slopes, sink, b0, params, num_splits, blo
     T = _Tiles(params, Sq, Sk, H, Hk, B * Hk, slopes, b0, acc, block_m, block_n, tile_elems)
     qc = _heads_first(q4, acc, T.qscale)  # [B*H, Sq, D]
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
-    o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc)
-    lse_buf = torch.full((B * H, Sq), float("-inf"), dtype=acc)
+    o_buf = torch.zeros(B * H, Sq, Dv, dtype=acc, device=_CPU)
+    lse_buf = torch.full((B * H, Sq), float("-inf"), dtype=acc, device=_CPU)
     bounds = _split_bounds(Sk, num_splits)
     for t0 in range(0, B * Hk, T.chunk):
         t1 = min(t0 + T.chunk, B * Hk)
@@ -452,7 +456,7 @@ def _has_empty_rows(params: AttnParams, Sq, Sk, leading: int = 0) -> bool:
             or (params.window_left >= 0 and Sq - 1 + off - params.window_left > Sk - 1))
 
 
-_ZERO = {torch.float32: torch.zeros(()), torch.float64: torch.zeros((), dtype=torch.float64)}
+_ZERO = {acc: torch.zeros((), dtype=acc, device=_CPU) for acc in (torch.float32, torch.float64)}
 
 
 def _fwd_whole(params: AttnParams, q4, k4, v4, sink, Sk, leading=None, out4=None, lse3=None):
@@ -526,7 +530,7 @@ def _leading_keys(leading: tuple, Sk: int) -> torch.Tensor:
     if hidden is None:
         if len(_LEADING) >= 64:
             _LEADING.clear()
-        hidden = _LEADING[key] = torch.arange(Sk) < torch.tensor(leading).unsqueeze(1)
+        hidden = _LEADING[key] = torch.arange(Sk, device=_CPU) < torch.tensor(leading, device=_CPU).unsqueeze(1)
     return hidden
 
 
@@ -706,8 +710,9 @@ def _bwd_group(do4, q4, k4, v4, o4, lse3, dlse3, dq4, dk4, dv4, dsink, slopes, s
     kc, vc = _heads_first(k4, acc), _heads_first(v4, acc)  # [B*Hk, Sk, D]
     lse_c = lse_n * LOG2E
     lse_c = lse_c.masked_fill(lse_c.isneginf(), float("inf"))  # rows with no key: p = 0
-    dq_buf = torch.zeros(B * H, Sq, D, dtype=acc)
-    dk_buf, dv_buf = torch.zeros(B * Hk, Sk, D, dtype=acc), torch.zeros(B * Hk, Sk, Dv, dtype=acc)
+    dq_buf = torch.zeros(B * H, Sq, D, dtype=acc, device=_CPU)
+    dk_buf = torch.zeros(B * Hk, Sk, D, dtype=acc, device=_CPU)
+    dv_buf = torch.zeros(B * Hk, Sk, Dv, dtype=acc, device=_CPU)
     for t0 in range(0, B * Hk, T.chunk):
         t1 = min(t0 + T.chunk, B * Hk)
         for i0 in range(0, Sq, T.bm):

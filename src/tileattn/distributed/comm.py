@@ -114,9 +114,9 @@ def agree(name: str, peers: Peers, fields: dict[str, int] | None, error: Excepti
     row = [1, 0] if error is not None else [0, len(keys)] + [fields[k] for k in keys]
     width = 2 + _N_FIELDS + n_extra
     mine = torch.zeros(width, dtype=torch.int64, device=device)
-    mine[:len(row)] = torch.tensor(row, dtype=torch.int64)
+    mine[:len(row)] = torch.tensor(row, dtype=torch.int64, device=device)
     if error is None and extra:
-        mine[2 + _N_FIELDS:] = torch.tensor(extra, dtype=torch.int64)
+        mine[2 + _N_FIELDS:] = torch.tensor(extra, dtype=torch.int64, device=device)
     gathered = mine.new_empty(peers.world_size * width)
     _all_gather(gathered, mine, group=peers.group)
     rows = gathered.view(peers.world_size, width).tolist()

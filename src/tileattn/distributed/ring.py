@@ -106,8 +106,9 @@ class VarlenPlan(Plan):
         self.parts = {"all": (slice(0, self.length), cu_seqlens, max_seqlen)}
         if zigzag and self._fast():
             device = cu_seqlens.device
-            first = [torch.arange(a, a + (b - a) // 2) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
-            second = [torch.arange(a + (b - a) // 2, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            docs = list(zip(self.bounds[:-1], self.bounds[1:]))  # built on the host: not a default device
+            first = [torch.arange(a, a + (b - a) // 2, device="cpu") for a, b in docs]
+            second = [torch.arange(a + (b - a) // 2, b, device="cpu") for a, b in docs]
             half_cu = cu_seqlens // 2
             self.parts["first"] = (torch.cat(first).to(device), half_cu, max_seqlen // 2)
             self.parts["second"] = (torch.cat(second).to(device), half_cu, max_seqlen // 2)

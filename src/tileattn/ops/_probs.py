@@ -41,8 +41,8 @@ def _probs(q, k, lse, params: AttnParams, alibi_slopes) -> torch.Tensor:
     live = torch.isfinite(lse.detach().to(acc))[..., None]
     p = torch.where(seen & live, torch.exp(s - lse.detach().to(acc)[..., None]), 0.0)
     if params.dropout_p > 0:
-        r = torch.arange(seqlen_q, dtype=torch.int64)
-        c = torch.arange(seqlen_k, dtype=torch.int64)
+        r = torch.arange(seqlen_q, dtype=torch.int64, device="cpu")
+        c = torch.arange(seqlen_k, dtype=torch.int64, device="cpu")
         sign = torch.stack([
             torch.stack([keep_mask(params.dropout_seed, b * nheads + h, r, c, params.dropout_p)
                          for h in range(nheads)]) for b in range(batch)

@@ -52,7 +52,7 @@ def draw_dropout_seed(dropout_p: float, device: torch.device = torch.device("cpu
         offset = gen.get_offset()
         gen.set_offset(offset + 4)  # Philox offsets advance in steps of 4
         return fmix32((gen.initial_seed() & M32) ^ fmix32((offset // 4) & M32)) & 0x7FFFFFFF
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())  # not on a default device
 
 
 def with_dropout_seed(params: AttnParams, device: torch.device) -> AttnParams:

@@ -118,11 +118,11 @@ class PagedKVCache:
         ids = self._ids(seq_ids)
         rows = [self._blocks[s] for s in ids]
         width = max((len(r) for r in rows), default=0) if out is None else out.shape[1]
-        table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
+        table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32, device="cpu")
         for i, row in enumerate(rows):
             if len(row) > table.shape[1]:
                 raise ValueError(f"block_table buffer has {table.shape[1]} columns, sequence needs {len(row)}")
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32, device="cpu")
         top = max((max(r) for r in rows if r), default=0)
         return vouch(self._into(table, out), (self._state(ids), top))
 
@@ -131,7 +131,7 @@ class PagedKVCache:
         ids = self._ids(seq_ids)
         lengths = [self._lengths[s] for s in ids]
         room = min((len(self._blocks[s]) * self.block_size - self._lengths[s] for s in ids), default=0)
-        host = torch.tensor(lengths, dtype=torch.int32)
+        host = torch.tensor(lengths, dtype=torch.int32, device="cpu")
         return vouch(self._into(host, out), (self._state(ids), max(lengths, default=0), room))
 
     def write_packed(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
@@ -170,11 +170,12 @@ class PagedKVCache:
             for pos in range(length, length + end - start):
                 blocks.append(table[pos // self.block_size])
                 slots.append(pos % self.block_size)
-        blk = self._into(torch.tensor(blocks, dtype=torch.long), None)
-        slot = self._into(torch.tensor(slots, dtype=torch.long), None)
+        blk = self._into(torch.tensor(blocks, dtype=torch.long, device="cpu"), None)
+        slot = self._into(torch.tensor(slots, dtype=torch.long, device="cpu"), None)
         if fp8:  # each token quantised with its sequence's descales
-            lengths = torch.tensor(offsets[1:]) - torch.tensor(offsets[:-1])
-            owner = self._into(torch.repeat_interleave(torch.arange(len(ids)), lengths), None)  # token -> b
+            lengths = torch.tensor(offsets[1:], device="cpu") - torch.tensor(offsets[:-1], device="cpu")
+            owner = torch.repeat_interleave(torch.arange(len(ids), device="cpu"), lengths)  # token -> b
+            owner = self._into(owner, None)
             k, v = (quantize(x[:, None], d[owner])[:, 0] for x, d in ((k, k_descale), (v, v_descale)))
         self.k_cache[layer][blk, slot] = k
         self.v_cache[layer][blk, slot] = v
