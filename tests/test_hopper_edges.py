@@ -98,22 +98,25 @@ def test_hopper_expanded_keys_and_values(expanded):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_out_view_with_heads_past_int32(head_dim):
-    """``out=`` a (B, S, H, D) view whose 32 heads lie 2**27 elements apart (the last starts past
-    2**31): written by the portable kernel (``hopper._outputs_reason``), every row right, nothing
-    written outside the view (the gaps between heads keep their sentinel). 8.6 GB of buffer."""
+    """``out=`` a packed (S, H, D) view whose 32 heads lie 2**27 elements apart (the last starts past
+    2**31), given to ``flash_attn_varlen_func`` (the function that takes ``out=``): written by the
+    portable kernel (``hopper._outputs_reason``), every row right, nothing written outside the view
+    (the gaps between heads keep their sentinel). 8.6 GB of buffer."""
     gen = torch.Generator().manual_seed(47)
     seqlen, nheads, apart = 256, 32, 2**27
     q, k, v = (torch.randn(1, seqlen, nheads, head_dim, generator=gen).to(torch.bfloat16).cuda() for _ in range(3))
     buf = torch.full(((nheads - 1) * apart + seqlen * head_dim + 4096,), 7.0, dtype=torch.bfloat16, device="cuda")
-    out = buf.as_strided(q.shape, (nheads * apart, head_dim, apart, 1))
-    assert hopper_fwd_reason(q, k, v, AttnParams(head_dim**-0.5, -1, 0), alibi_slopes=None, varlen=False, paged=False,
-                             seqused_k=None, num_splits=1, out=out) == "output head offsets past int32"
+    out = buf.as_strided(q.shape[1:], (head_dim, apart, 1))
+    assert hopper_fwd_reason(q[0], k[0], v[0], AttnParams(head_dim**-0.5, -1, 0), alibi_slopes=None, varlen=True,
+                             paged=False, seqused_k=None, num_splits=1, max_seqlen_q=seqlen,
+                             out=out) == "output head offsets past int32"
     out.fill_(float("nan"))
-    tileattn.flash_attn_func(q, k, v, causal=True, out=out)
+    cu = torch.tensor([0, seqlen], dtype=torch.int32, device="cuda")
+    tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, seqlen, seqlen, causal=True, out=out)
     torch.cuda.synchronize()
     ref_out, _ = reference.attention_naive(_np64(q), _np64(k), _np64(v), causal=True)
     plain_out, _ = plain_attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
-    assert_within("out", out, plain_out, ref_out)
+    assert_within("out", out[None], plain_out, ref_out)
     gaps = [buf[h * apart + seqlen * head_dim:(h + 1) * apart] for h in range(0, nheads - 1, 8)]
     assert all(bool((g == 7.0).all()) for g in gaps), "a write landed between the heads"
     assert bool((buf[-4096:] == 7.0).all())

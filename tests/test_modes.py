@@ -116,8 +116,9 @@ def test_expanded_tensors_written_in_place_are_refused(device):
     B, H, D = 2, 2, 8
     q, k, v = (torch.randn(B, 1, H, D).to(device) for _ in range(3))
     lens = torch.tensor([3, 5], dtype=torch.int32, device=device)
-    for shared in (torch.randn(1, 16, H, D).expand(B, 16, H, D), torch.randn(B, 1, H, D).expand(B, 16, H, D)):
-        shared = shared.to(device)
+    # expanded on the device (.to of an expanded view would copy it into a tensor of its own)
+    for shared in (torch.randn(1, 16, H, D).to(device).expand(B, 16, H, D),
+                   torch.randn(B, 1, H, D).to(device).expand(B, 16, H, D)):
         before = shared.clone()
         with pytest.raises(ValueError, match="k_cache is written in place but is an expanded view"):
             tileattn.flash_attn_with_kvcache(q, shared, shared.clone(), k, v, cache_seqlens=lens)
