@@ -5,9 +5,9 @@
   cascade's prefix splits and suffix).
 * In the split forward launch itself (``MERGE_SPLITS``, ``merge_constexprs``): the last split program of
   each row block to finish merges the block's rows, one row at a time as the combine kernel does,
-  with the same code (``merge_row``, whose fixed order of additions gives both forms the same
-  bits). The programs count their arrival on an int32 per program along the grid's axis 0, zero
-  before the launch and left at zero by the merging program.
+  with the same code, block of splits (``combine_block_s``) and number of warps; the two forms agree
+  to rounding (``kernels/combine.py``: an fp32 ulp in a few elements), each deterministic. The programs count their arrival on an int32 per program along the grid's
+  axis 0, zero before the launch and left at zero by the merging program.
 
 Which calls merge in the forward launch (``eager_counters``, the one place of the rule): the
 eager calls of a prepared launch (``gpu.prepared.PreparedFwd``, the ops layer's lane) on a
@@ -40,7 +40,7 @@ __all__ = ["EAGER_MERGE", "combine_launch", "eager_counters", "merge_constexprs"
 EAGER_MERGE = True  # eager prepared split launches merge their splits themselves (module docstring)
 COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
 COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
-COMBINE_NUM_WARPS = 4  # the combine's warps; forward launches of other warps do not merge (not measured)
+COMBINE_NUM_WARPS = 4  # the combine's warps; forward launches of other warps do not merge (their reductions' order)
 # The in-kernel merge: at most MERGE_MAX_ROWS rows a program (a decoding row of GQA up to 16, or a
 # few speculative tokens), and MERGE_MAX_BYTES of partials it reads alone (past that, the combine's
 # program per row is predicted quicker: at ~100 GB/s from L2 for one SM, 128 KB take ~1.3 µs,
@@ -50,14 +50,9 @@ COMBINE_NUM_WARPS = 4  # the combine's warps; forward launches of other warps do
 # plain variant's and spill (paged 256, 4 splits: 96 -> 80 registers and 8 bytes of stack), the
 # loop over large blocks did (8k contiguous, 16 splits: 128 and 8 bytes; 33 splits: 242 against
 # 216 unrolled); this way no merged variant spills where its plain one does not.
-# Its loop over a row's splits is unrolled MERGE_UNROLL_SPLITS at a time when there are that few
-# splits in a block, else not (the bits are the same either way, ``merge_row``): with 64-split blocks
-# unrolled ptxas spilled (paged 16, 33 splits: 16 bytes), with 4-split blocks looped it spilled in
-# the checked kernel (paged 16 with sinks, 4 splits: 8 bytes).
 MERGE_MAX_ROWS = 16
 MERGE_MAX_BYTES = 128 * 1024
 MERGE_UNROLL_TILE = 16 * 128
-MERGE_UNROLL_SPLITS = 8
 _STREAMS_KEPT = 64  # (device, stream) buffers kept; all are dropped when full (new ones are zeros)
 _COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 _COUNTERS: dict = {}
@@ -78,8 +73,7 @@ def merge_constexprs(rows: int, num_splits: int, head_dim_v: int, head_dim_v_pad
         return None
     block_s = combine_block_s(num_splits, head_dim_v_pad)
     return dict(MERGE_SPLITS=True, MERGE_ROWS=rows, MERGE_BLOCK_S=block_s,
-                MERGE_UNROLL=rows if block_s * head_dim_v_pad >= MERGE_UNROLL_TILE else 1,
-                MERGE_UNROLL_SPLITS=block_s <= MERGE_UNROLL_SPLITS)
+                MERGE_UNROLL=rows if block_s * head_dim_v_pad >= MERGE_UNROLL_TILE else 1)
 
 
 def eager_counters(plan) -> torch.Tensor | None:

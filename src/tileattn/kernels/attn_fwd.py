@@ -63,8 +63,8 @@ no key even if the assertion returned (its tile ranges emptied). Without a left 
 in use is read by some program (the last query block's splits cover all key tiles), so the
 programs together check what the check kernel does; the launcher folds nothing else.
 
-``MERGE_SPLITS`` (with ``SPLIT_KV``; ``MERGE_ROWS`` rows, the loop over the rows unrolled ``MERGE_UNROLL``
-times, the splits ``MERGE_BLOCK_S`` at a time unrolled with ``MERGE_UNROLL_SPLITS``, else one at a time):
+``MERGE_SPLITS`` (with ``SPLIT_KV``; ``MERGE_ROWS`` rows, ``MERGE_BLOCK_S`` splits read at once, the
+loop over the rows unrolled ``MERGE_UNROLL`` times):
 after its partial's stores each split program counts itself in on ``Counters[pid]`` (int32, one
 per program along axis 0, zero before the launch); the one that finds ``num_splits - 1`` there
 arrived last, merges the row block's partials row by row with ``merge_row`` (the combine
@@ -227,7 +227,7 @@ def _attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
     V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, CHECK_CACHE: tl.constexpr = False,
     CHECK_BLOCK_P: tl.constexpr = 128, MERGE_SPLITS: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
-    MERGE_BLOCK_S: tl.constexpr = 1, MERGE_UNROLL: tl.constexpr = 1, MERGE_UNROLL_SPLITS: tl.constexpr = False,
+    MERGE_BLOCK_S: tl.constexpr = 1, MERGE_UNROLL: tl.constexpr = 1,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -428,5 +428,5 @@ def _attn_fwd_kernel(
                 l_row = b64 * stride_lb + r_head * stride_lh + r_tok * stride_ls
                 merge_row(Out + o_row, Lse + l_row, MergeOut + o_row, MergeLse + l_row, Sinks, r_head,
                           r_pos < seqlen_q, stride_o_split, stride_l_split, num_splits, HEAD_DIM_V, HEAD_DIM_V_PAD,
-                          MERGE_BLOCK_S, HAS_SINK, MERGE_UNROLL_SPLITS)
+                          MERGE_BLOCK_S, HAS_SINK)
             tl.store(Counters + pid, 0)

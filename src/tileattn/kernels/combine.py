@@ -13,8 +13,13 @@ launch that did not split wrote its output directly (a mixed batch's long sequen
 
 ``merge_row`` is that merge for one row; two kernels call it: ``_combine_kernel``, a launch of
 its own (one program per row), and the forward kernel's last split program of each row block
-(``MERGE_SPLITS`` in ``attn_fwd.py``), row after row. Both compute the same bits: ``merge_row``
-fixes the order of every addition and every fused multiply-add (its docstring).
+(``MERGE_SPLITS`` in ``attn_fwd.py``), row after row with the same ``BLOCK_S`` and warps. The two
+forms agree to rounding, not bit for bit: ``tl.sum`` adds the splits in the order of its operand's
+layout and ``a * b + c`` may be contracted to an fma, both chosen by the compiler for the whole
+kernel, and on the H200 1-2 elements of 4096 differed by an fp32 ulp before the outputs' rounding.
+A merge that fixed the order (the splits one after another, explicit fmas) gave equal bits but cost
+2-8 µs per graph-replayed batch-1 step (ptxas kept 32 registers for 64 splits a block: the
+unrolled loads were not in flight together; docs/perf-notes.md).
 """
 
 import triton
@@ -26,63 +31,42 @@ UNSPLIT_MARK = tl.constexpr(0x7FC0DEAD)  # a NaN's bits that no split writes (th
 
 
 @triton.jit
-def _add_split(m, l_sum, acc, o_row, lse_row, offs_d, d_ok, row_ok, split, stride_o_split, stride_l_split,
-               num_splits):
-    """The running state (m, l_sum, acc) with split ``split`` (none past ``num_splits``) merged in:
-    the maximum raised if its lse does, the sum and output rescaled to it, then its weight and
-    weighted output added, each product in an explicit fused multiply-add."""
-    split = tl.full([1], 0, dtype=tl.int64) + split  # [1]
-    ok = (split < num_splits) & row_ok
-    lse_s = tl.load(lse_row + split * stride_l_split + tl.arange(0, 1), mask=ok, other=float("-inf"))  # [1]
-    o_s = tl.load(o_row + split * stride_o_split + offs_d, mask=d_ok & ok, other=0.0)  # [HEAD_DIM_PAD]
-    m_new = tl.maximum(m, lse_s * LOG2E)
-    m_use, alpha = online_rescale(m, m_new, True)  # [1]; every split so far empty: weigh 0, not NaN
-    w = tl.math.exp2(tl.fma(lse_s, LOG2E, -m_use))  # [1] the split's weight; 0 when empty
-    return m_new, tl.fma(l_sum, alpha, w), tl.fma(o_s, w, acc * alpha)
-
-
-@triton.jit
 def merge_row(o_row, lse_row, out_row, lse_out, sinks, head, row_ok, stride_o_split, stride_l_split, num_splits,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
-              UNROLL: tl.constexpr):
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr):
     """Merge one row's split partials into its output and lse, nothing read or written unless ``row_ok``.
 
     ``o_row`` / ``lse_row`` point at the row's split-0 partial output [HEAD_DIM] and lse (fp32),
     split s at ``+ s * stride_*_split``; ``out_row`` / ``lse_out`` at its output (any dtype) and lse;
-    with ``HAS_SINK`` the merge starts from ``sinks[head]``'s state. The splits are merged online, one
-    after the other: the running maximum, weight sum and weighted sum rescaled when a split raises
-    the maximum. With ``UNROLL`` the loop runs ``BLOCK_S`` splits unrolled at a time (their loads in
-    flight together: the combine kernel, a program per row); without, one split a turn (the
-    forward's merge, whose registers the attention sized: unrolled there, ptxas spilled).
-
-    The same bits whichever kernel calls it, unrolled or not: the additions run in split order,
-    element by element, and every product that meets an addition does so in an explicit
-    ``tl.fma``. A ``tl.sum`` over the splits adds in the order of the tensor's layout, which the
-    compiler picks for the whole kernel, and leaves ``a * b + c`` to be contracted or not: with it the
-    forward's merge and the combine kernel differed in 1-2 elements of 4096 (H200, by an fp32 ulp).
+    with ``HAS_SINK`` the merge starts from ``sinks[head]``'s state. Splits are read ``BLOCK_S`` at a
+    time, their lse and outputs together (one round trip to memory per block), and merged online:
+    the running maximum, weight sum and weighted sum are rescaled when a block raises the maximum.
     """
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     one = tl.arange(0, 1)  # [1]
-    d_ok = (offs_d < HEAD_DIM) & row_ok
     m = tl.full([1], float("-inf"), dtype=tl.float32)  # [1] largest lse so far, log2 units
     l_sum = tl.zeros([1], dtype=tl.float32)  # [1] sum of the splits' weights exp2(lse_s - m)
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)  # [HEAD_DIM_PAD] weighted sum of the o_s
     if HAS_SINK:  # the sink's state, weight 1 at m = its lse, output 0
         m = tl.load(sinks + head + one, mask=row_ok, other=0.0) * LOG2E
         l_sum += 1.0
-    if UNROLL:
-        for s0 in range(0, num_splits, BLOCK_S):
-            for s in tl.static_range(BLOCK_S):
-                m, l_sum, acc = _add_split(m, l_sum, acc, o_row, lse_row, offs_d, d_ok, row_ok, s0 + s,
-                                           stride_o_split, stride_l_split, num_splits)
-    else:
-        for s in tl.range(0, num_splits, num_stages=1):
-            m, l_sum, acc = _add_split(m, l_sum, acc, o_row, lse_row, offs_d, d_ok, row_ok, s, stride_o_split,
-                                       stride_l_split, num_splits)
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + offs_s
+        ok = (split < num_splits) & row_ok  # [BLOCK_S]
+        lse_s = tl.load(lse_row + split.to(tl.int64) * stride_l_split, mask=ok, other=float("-inf")) * LOG2E
+        o_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        o_s = tl.load(o_row + split.to(tl.int64)[:, None] * stride_o_split + offs_d[None, :], mask=o_mask,
+                      other=0.0)  # [BLOCK_S, HEAD_DIM_PAD]
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_use, alpha = online_rescale(m, m_new, True)  # [1]; every split so far empty: weigh 0, not NaN
+        w = tl.math.exp2(lse_s - m_use)  # [BLOCK_S] weight of each split; 0 when empty
+        l_sum = l_sum * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
+        m = m_new
 
     l_safe, lse = finish_rows(m, l_sum)  # [1]: every split empty gives out 0, lse -inf
     out = acc / l_safe  # [HEAD_DIM_PAD]
-    tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty), mask=d_ok)
+    tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty), mask=(offs_d < HEAD_DIM) & row_ok)
     tl.store(lse_out + one, lse, mask=row_ok)
 
 
@@ -113,4 +97,4 @@ def _combine_kernel(
     merge_row(OPart + b * stride_po_b + pos * stride_po_s + head * stride_po_h, lse_ptr,
               Out + b * stride_ob + pos * stride_os + head * stride_oh, Lse + b * stride_lb + head * stride_lh
               + pos * stride_ls, Sinks, head, True, stride_po_split, stride_pl_split, num_splits, HEAD_DIM,
-              HEAD_DIM_PAD, BLOCK_S, HAS_SINK, True)
+              HEAD_DIM_PAD, BLOCK_S, HAS_SINK)
