@@ -14,8 +14,9 @@ and a 512-token prefill (forward only) it prints the median µs per call of:
   launches), every launch direct.
 
 Then the whole eager call of ``flash_attn_with_kvcache`` (the ops layer's checks, the
-device-side value check's launch and assertion, or the forward kernel's own check where the
-call folds it in, the append, the launcher), with the kernel launches it makes, for the same
+device-side value check's launch and assertion, or the append's and the forward kernel's own
+checks where the call folds it in, the append, the launcher: a split call's forward launch merging
+its splits itself, ``gpu.combine``), with the kernel launches it makes, for the same
 decoding step, contiguous and paged (blocks of 16), with and without a new token appended,
 split as the H200's rule splits them (16 and 33 splits; on the CPU the rule gives 1), and of ``flash_attn_func`` on the same q, k, v as dense tensors (as transformers calls it):
 issue #17's "host time of one eager call, measured without the kernel". The value checks run
@@ -38,7 +39,7 @@ the next step (brk/mmap and page faults: 5-10 µs a tensor on the 2-core machine
 tells glibc to keep freed memory (``mallopt``), so that an allocation costs about what a cached
 one does; ``--glibc-default`` leaves glibc as it is.
 
-    python benchmarks/host_launch.py [--calls 2000] [--repeat 7] [--glibc-default]
+    python benchmarks/host_launch.py [--calls 2000] [--repeat 7] [--glibc-default] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ import tileattn.gpu._launch as L  # noqa: E402
 import tileattn.gpu.attention as A  # noqa: E402
 import tileattn.gpu.backward as B  # noqa: E402
 import tileattn.gpu.checks as C  # noqa: E402
+import tileattn.gpu.combine as CB  # noqa: E402
 import tileattn.gpu.hopper as HP  # noqa: E402
 import tileattn.gpu.hopper_bwd as HB  # noqa: E402
 import tileattn.kernels.attn_bwd_hopper as KB  # noqa: E402
@@ -146,14 +148,17 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
+CLOCK = time.perf_counter  # ``--clock cpu``: time.process_time, which other processes' load does not inflate
+
+
 def median_us(fn, calls: int, repeat: int) -> float:
     fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
+        times.append((CLOCK() - t0) / calls * 1e6)
     return statistics.median(times)
 
 
@@ -271,7 +276,12 @@ def main():
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--glibc-default", action="store_true", help="leave glibc's trimming and mmap as they are")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the process's CPU time per call (for A/Bs on a machine other jobs share)")
     args = p.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK = time.process_time
     if not args.glibc_default:
         keep_freed_memory()
     driver.set_active(_Driver())
@@ -279,14 +289,15 @@ def main():
     L._current_stream = lambda device: 0
     os.environ["TILEATTN_AUTOTUNE"] = "0"  # one config: nothing to time on a stand-in kernel
     real = A._attn_fwd_kernel
-    A._attn_fwd_kernel, A._combine_kernel = _Kernels(real), _Kernels(A._combine_kernel)
+    A._attn_fwd_kernel, CB._combine_kernel = _Kernels(real), _Kernels(CB._combine_kernel)
     params = AttnParams(128**-0.5)
     print(f"{'case':24s} {'triton launch':>14s} {'direct launch':>14s} {'attn_fwd':>10s}   (µs per call, median)")
     for name, tensors, opts in cases():
         A.clear_plans()
         A.attn_fwd(*tensors, params=params, **opts)
         plan = next(iter(A._PLANS.values()))
-        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]), None, None, None, None,  # alibi, sink, cu_seqlens
+        fwd_args = (*tensors[:3], *(plan.new_workspace("cpu") or tensors[3:5]),
+                    None, None, None, None, None, None, None,  # merged out, lse, counters; alibi, sink, cu_seqlens
                     opts.get("seqused_k"), None, None, None, *plan.ints, 0.1, 0.0, -1, -1, 0,  # table, descales
                     *params.dropout_offsets(tensors[0].shape[-2]), 0, 0, 1.0)  # dropout's counters, seed, threshold
         meta = {**plan.fwd.constexprs, **plan.fwd.options}

@@ -60,6 +60,23 @@ def device(request, monkeypatch):
     return "cpu"
 
 
+@pytest.fixture
+def split_launches(monkeypatch) -> list:
+    """A list that grows by one entry per forward or combine launch (``gpu._launch.Launch``) from
+    now on: the forward's ``MERGE_SPLITS`` (True where it merges its own splits), False for the combine."""
+    from tileattn.gpu import _launch
+
+    seen, call = [], _launch.Launch.__call__
+
+    def counted(self, *args):
+        if "MERGE_SPLITS" in self.constexprs or "SKIP_MARKED" in self.constexprs:
+            seen.append(self.constexprs.get("MERGE_SPLITS", False))
+        return call(self, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
+    return seen
+
+
 # ------------------------------------------------------------------ poisoned allocations
 
 
@@ -99,3 +116,35 @@ def poison_library_allocations(monkeypatch):
     for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"),
                         (torch.Tensor, "new_empty")):
         monkeypatch.setattr(owner, name, _poisoning(getattr(owner, name)))
+
+
+# ------------------------------------------------------------------ the device checks' logic, on the CPU
+
+
+@pytest.fixture
+def device_checks(monkeypatch):
+    """The asynchronous checks run on CPU tensors: torch._assert_async then raises at once."""
+    from tileattn.ops import _validate
+
+    monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
+
+
+@pytest.fixture
+def asserting_interpreter(monkeypatch):
+    """Triton's interpreter keeping device assertions, as the ``debug`` option keeps them when compiling:
+    a failed one raises (InterpreterError, with the assertion's message), and the ops layer relies on
+    them as on a GPU (``kernel_asserts``)."""
+    from triton.runtime import interpreter
+
+    from tileattn.gpu import combine
+    from tileattn.gpu._tuning import interpreting
+    from tileattn.ops import _validate
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        interpreter.InterpreterOptions(debug=True, sanitize_overflow=False))
+    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)
+    # a merged launch that fails part-way leaves its arrival counters counted (on a GPU the context
+    # goes with them): this test's own, so that later tests find the cached ones at zero
+    monkeypatch.setattr(combine, "_COUNTERS", {})

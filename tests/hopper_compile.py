@@ -12,6 +12,10 @@ Each line also gives the registers per thread and the local-memory stack (regist
 that ptxas reports: a cheap first look at a kernel's cost before any GPU time is spent. The
 forward's wide tile (head dims above 256, MLA's absorbed decoding) was chosen as the largest that
 compiles without spills: a 16-bit wide variant, or the combine after one, that spills fails here.
+Each split decode launch whose plan has a merged form (``FwdPlan.merged``, the eager lane's: its
+last split programs merge the splits, ``MERGE_SPLITS``) is compiled in that form too, with and
+without the folded cache check; a merged or checked variant that spills where the plain launch
+(neither) does not fails.
 
 Run without ``TRITON_INTERPRET`` (``tests/test_hopper_compile.py`` starts it so):
 
@@ -38,6 +42,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tileattn.contract import AttnParams  # noqa: E402
 from tileattn.gpu import attention as fwd_launcher  # noqa: E402
 from tileattn.gpu import checks as check_launcher  # noqa: E402
+from tileattn.gpu import combine as combine_launcher  # noqa: E402
 from tileattn.gpu import backward as bwd_launcher  # noqa: E402
 from tileattn.gpu import hopper as hopper_launcher  # noqa: E402
 from tileattn.gpu import hopper_bwd as hopper_bwd_launcher  # noqa: E402
@@ -194,6 +199,15 @@ def forward_cases():
                       t(2, 2, 16, 256, dtype=dtype), cache, cache.clone(),
                       dict(params=AttnParams(256**-0.5, -1, 0), seqused_k=torch.tensor([3, 512], dtype=torch.int32),
                            max_seqlen_q=2, max_seqlen_k=512, num_splits=splits, learnable_sink=sink)))
+    # the decoding step docs/perf-notes.md times on the H200 (batch 1, GQA 32/8, hdim 128, 8k keys),
+    # with the split counts the rule gives there: 16 (contiguous, one wave), 33 (blocks of 16, two)
+    for page, splits in ((0, 16), (16, 33)):
+        cache = t(512, 16, 8, 128) if page else t(1, 8192, 8, 128)
+        paged = dict(block_table=torch.arange(512, dtype=torch.int32).view(1, 512)) if page else {}
+        cases.append((f"decode 8k GQA 32/8 {'paged 16' if page else 'contiguous'} {splits} splits", t(1, 1, 32, 128),
+                      cache, cache.clone(), dict(params=AttnParams(128**-0.5, -1, 0), max_seqlen_q=1,
+                                                 seqused_k=torch.tensor([8000], dtype=torch.int32),
+                                                 max_seqlen_k=8192, num_splits=splits, **paged)))
     # serving: a mixed batch over a paged pool in one call (decode tile split, prefill tile not,
     # the combine skipping the long rows), and an FP8 pool
     pool = t(64, 16, 8, 128)
@@ -295,7 +309,8 @@ def backward_cases():
 
 
 def append_cases():
-    """The KV-cache append: contiguous and paged, with rotary (both pairings, q rotated) or without."""
+    """The KV-cache append: contiguous and paged, with rotary (both pairings, q rotated) or without
+    (writing the new lengths, as the ops layer's decoding lane does)."""
     g = torch.Generator().manual_seed(2)
     k, v = (torch.randn(4, 2, 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(4, 2, 32, 128, generator=g).to(torch.bfloat16)
@@ -305,6 +320,7 @@ def append_cases():
     table = torch.randperm(64, generator=g)[:32].view(4, 8).to(torch.int32)
     cache = torch.randn(4, 128, 8, 128, generator=g).to(torch.bfloat16)
     return [("append contiguous", (cache, cache.clone(), k, v, lens), dict(seqused_out=lens.clone())),
+            ("append paged", (pool, pool.clone(), k, v, lens, table), dict(seqused_out=lens.clone())),
             ("append paged rotary interleaved", (pool, pool.clone(), k, v, lens, table),
              dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), interleaved=True, q=q)),
             ("append paged fp8 rotary", (pool.to(torch.float8_e4m3fn), pool.to(torch.float8_e4m3fn), k, v, lens, table),
@@ -319,20 +335,22 @@ def record(fn, *args, **kwargs):
     """The launches ``fn(*args, **kwargs)`` makes; a backward dK/dV or dQ launch once per tile
     config it could get (the forward's prefill launches are expanded by ``forward_variants``)."""
     launches = []
-    names = {fwd_launcher: ("_attn_fwd_kernel", "_combine_kernel"),
+    names = {fwd_launcher: ("_attn_fwd_kernel",), combine_launcher: ("_combine_kernel",),
              bwd_launcher: ("_attn_bwd_preprocess", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
              append_launcher: ("_append_kv_kernel",)}
     originals = {(module, name): getattr(module, name) for module, group in names.items() for name in group}
+    plan_caches = (fwd_launcher, bwd_launcher, append_launcher)
     try:
         for (module, name), kernel in originals.items():
             setattr(module, name, Recorder(kernel, launches))
-        for module in names:  # plans made now launch the recorders
+        for module in plan_caches:  # plans made now launch the recorders
             module.clear_plans()
         fn(*args, **kwargs)
+        launches += merged_launches(launches)
     finally:
         for (module, name), kernel in originals.items():
             setattr(module, name, kernel)
-        for module in names:
+        for module in plan_caches:
             module.clear_plans()
     expanded = []
     for kernel, args, meta in launches:
@@ -346,6 +364,18 @@ def record(fn, *args, **kwargs):
             expanded.append((kernel, args, {**meta, **cfg.kwargs, "num_warps": cfg.num_warps,
                                             "num_stages": cfg.num_stages}))
     return expanded
+
+
+def merged_launches(launches) -> list:
+    """The merged form (``FwdPlan.merged``) of each recorded split launch whose plan has one: its
+    arguments with the outputs (dtypes as the plan's merged signature names them) and counters in
+    their places, the merged launch's constexprs and options."""
+    merged = []
+    for plan in (p for p in fwd_launcher._PLANS.values() if p.merged is not None):
+        outputs = [torch.empty(16, dtype=dtype) for dtype in plan._merged_signature[0][5:8]]
+        merged += [(fn, (*args[:5], *outputs, *args[8:]), {**plan.merged.constexprs, **plan.merged.options})
+                   for fn, args, kwargs in launches if kwargs == {**plan.fwd.constexprs, **plan.fwd.options}][:1]
+    return merged
 
 
 def forward_variants(launches, q):
@@ -362,14 +392,22 @@ def forward_variants(launches, q):
 
 
 def checked_variants(todo):
-    """The forward launches over a KV cache that ``FwdPlan.checking_launch`` folds the cache's value
-    check into (``seqused_k``, not packed, no left window): each again as that launch compiles it,
-    ``CHECK_CACHE`` with Triton's ``debug`` option and ``sanitize_overflow`` off."""
+    """The launches the cache's value check is folded into, each again as its checking launch compiles
+    it, with Triton's ``debug`` option and ``sanitize_overflow`` off: the forward over a KV cache
+    (``FwdPlan.checking_launch``: ``seqused_k``, not packed, no left window) with ``CHECK_CACHE``, and
+    every append (``AppendPlan.checking``) with ``CHECK``."""
     for name, fn, args, kwargs in todo:
         if (fn is fwd_launcher._attn_fwd_kernel and kwargs["HAS_SEQUSED_K"] and not kwargs["IS_VARLEN"]
                 and not kwargs["MASK_LEFT"]):
             yield name, fn, args, dict(kwargs, CHECK_CACHE=True, CHECK_BLOCK_P=32 * kwargs["num_warps"], debug=True,
                                        sanitize_overflow=False)
+        elif fn is append_launcher._append_kv_kernel:
+            yield name, fn, args, dict(kwargs, CHECK=True, debug=True, sanitize_overflow=False)
+
+
+def checked(kwargs) -> bool:
+    """Whether a launch has the cache's value check folded in (``checked_variants``)."""
+    return bool(kwargs.get("CHECK_CACHE") or kwargs.get("CHECK"))
 
 
 def wide(meta) -> bool:
@@ -379,7 +417,7 @@ def wide(meta) -> bool:
 
 def must_not_spill(fn, meta) -> bool:
     """The wide tile's 16-bit variants and the combines after them: chosen to compile without spills."""
-    if fn is fwd_launcher._combine_kernel:
+    if fn is combine_launcher._combine_kernel:
         return meta["HEAD_DIM_PAD"] > fwd_launcher.TAIL_ABOVE
     return fn is fwd_launcher._attn_fwd_kernel and wide(meta) and meta["DOT_DTYPE"] != triton.language.float32
 
@@ -603,18 +641,18 @@ def main() -> int:
     for name, q, k, v, kwargs in forward_cases():
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim
         lse = torch.empty((q.shape[1], q.shape[0]) if "cu_seqlens_q" in kwargs else (q.shape[0], q.shape[2], q.shape[1]))
-        todo += [(name, *variant) for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse,
-                                                                         **kwargs), q)]
+        todo += [(name + (" merged" if variant[2].get("MERGE_SPLITS") else ""), *variant)
+                 for variant in forward_variants(record(fwd_launcher.attn_fwd, q, k, v, out, lse, **kwargs), q)]
+    for name, tensors, kwargs in append_cases():
+        todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     todo += [(name + " checked", *launch) for name, *launch in checked_variants(todo)]
     for name, tensors, kwargs in backward_cases():
         todo += [(name, *launch) for launch in record(bwd_launcher.attn_bwd, *tensors, **kwargs)]
-    for name, tensors, kwargs in append_cases():
-        todo += [(name, *launch) for launch in record(append_launcher.append_kv, *tensors, **kwargs)]
     for name, args, kwargs in check_cases():
         for how, launcher in (("", check_launcher.cache_values_ok), (" asserting", asserting_check)):
             todo += [(name + how, *launch) for launch in record_hopper(launcher, check_launcher, "_cache_check_kernel",
                                                                        *args, **kwargs)]
-    plain_stack = {}  # (case, tile) -> local memory of a forward launch without the folded check
+    plain_stack = {}  # (case, tile) -> local memory of a forward or append launch without the folded check or the merge
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
                 or (k in ("DYNAMIC", "OVERLAP") and v)}
@@ -634,14 +672,16 @@ def main() -> int:
                 verdict = f"FAIL spills ({usage})"
             elif stack and must_not_spill(fn, kwargs):
                 verdict = f"FAIL the wide tile spills ({usage})"
-            elif kwargs.get("CHECK_CACHE") and stack and not plain_stack.get((name[:-len(" checked")], str(tile))):
-                verdict = f"FAIL the folded cache check spills ({usage})"  # where the launch without it does not
+            elif (checked(kwargs) or kwargs.get("MERGE_SPLITS")) and stack and not plain_stack.get(
+                    (name.removesuffix(" checked").removesuffix(" merged"), str(tile))):
+                verdict = f"FAIL the folded check or the merge spills ({usage})"  # where the plain launch does not
             elif gluon and wgmma_serialised(compiled):
                 verdict = "FAIL every wgmma serialised by ptxas (registers)"
         except Exception as err:  # noqa: BLE001 - report every variant, then fail
             shared, usage = -1, ""
             verdict = f"FAIL {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        if fn is fwd_launcher._attn_fwd_kernel and not kwargs.get("CHECK_CACHE"):
+        if (fn in (fwd_launcher._attn_fwd_kernel, append_launcher._append_kv_kernel) and not checked(kwargs)
+                and not kwargs.get("MERGE_SPLITS")):
             plain_stack[name, str(tile)] = int(re.search(r"stack=(\d+)", usage).group(1)) if "stack=" in usage else 0
         failures += not verdict.startswith("ok")
         print(f"{verdict:>4}  {fn.__name__:24s} {name:38s} {tile} smem={shared} {usage}", flush=True)

@@ -3,6 +3,11 @@
 Run in Triton's interpreter on the CPU (or on the GPU when there is one) against torch indexing
 and ``tileattn.ops.rotary.apply_rotary``. Every cache slot starts as NaN: the slots the append
 must write are checked against the expected values, every other slot must still be NaN.
+
+Then the KV cache's value check folded into an appending decoding call's two launches (the
+append kernel's ``CHECK``, the forward's ``CHECK_CACHE``), in Triton's interpreter with its
+device assertions kept (tests/test_sync.py runs it on the GPU: bad values in subprocesses, the
+folded and unfolded calls bitwise).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tileattn
 from tileattn import gpu
 from tileattn.ops.rotary import apply_rotary
 
@@ -96,3 +102,177 @@ def test_nothing_new_leaves_the_cache_and_reports_the_lengths():
     gpu.append_kv(k_cache, k_cache, empty, empty, lens, seqused_out=seqused)
     assert k_cache.isnan().all()
     torch.testing.assert_close(seqused, lens, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ the check folded into the appending lane
+
+
+def _appending_call(paged: bool, rotary: bool, gen):
+    """(call(lens, table=None, caches=None), caches, good lengths, good table) of one appending
+    signature on CPU tensors: batch 2, two new tokens, a capacity of 12 (contiguous, or 3 pages of 4
+    from a pool of 9), rotary tables of 11 rows (one fewer than the capacity) when ``rotary``."""
+    q = torch.randn(2, 2, 4, 16, generator=gen)
+    new = torch.randn(2, 2, 2, 16, generator=gen)
+    cache = torch.randn(9, 4, 2, 16, generator=gen) if paged else torch.randn(2, 12, 2, 16, generator=gen)
+    table = torch.tensor([[3, 1, 0], [2, 5, 8]], dtype=torch.int32) if paged else None
+    angles = torch.rand(11, 4, generator=gen) * 6.3
+    rope = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin()) if rotary else {}
+
+    def call(lens, tbl=table, caches=None):
+        k_cache, v_cache = caches or (cache, cache)
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, **rope, causal=True,
+                                                cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=tbl,
+                                                return_softmax_lse=True)
+
+    return call, (cache, cache), [3, 7], table
+
+
+def _count_launches(monkeypatch) -> list:
+    """A list that grows by one name per kernel launch through ``_launch.Launch`` (the ops layer's
+    launches all go through one): "check", "append", "forward" or "combine", with "+check" after
+    the append's and the forward's when their checked variant is launched."""
+    from tileattn.gpu import _launch
+
+    seen, call = [], _launch.Launch.__call__
+
+    def counted(self, grid, *args):
+        name = {"_cache_check_kernel": "check", "_append_kv_kernel": "append", "_attn_fwd_kernel": "forward",
+                "_combine_kernel": "combine"}[self.fn.__name__]
+        seen.append(name + ("+check" if self.constexprs.get("CHECK") or self.constexprs.get("CHECK_CACHE") else ""))
+        return call(self, grid, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
+    return seen
+
+
+_APPEND_BAD = {  # name: (cache_seqlens, table or None (the good one), the kernel that asserts)
+    "no room for the new tokens": ([5, 11], None, "append"),
+    "negative length": ([-1, 3], None, "append"),
+    "largest length": ([5, 2**31 - 1], None, "append"),
+    "block id past the pool, page written": ([5, 4], [[3, 1, 0], [2, 9, 8]], "append"),
+    "negative block id, page written": ([5, 4], [[3, 1, 0], [2, -3, 8]], "append"),
+    "block id past the pool, page read only": ([5, 4], [[3, 1, 0], [9, 5, 8]], "forward"),
+}
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_appending_lane_checks_the_cache_in_its_two_launches(device_checks, asserting_interpreter, monkeypatch,
+                                                                 paged, rotary):
+    """A kept appending signature's call launches the append and the forward, each checking the cache
+    values it writes or reads by (``CHECK``, ``CHECK_CACHE``), and no separate check: two launches, the
+    bits (output, lse, cache) of the unchecked kernels. Each bad value fails the kernel that depends on
+    it first with the check kernel's message; one past the rotary tables' rows fails the append."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    from tileattn.ops import _validate
+
+    call, (cache, _), good, table = _appending_call(paged, rotary, torch.Generator().manual_seed(91))
+    call(good)  # the signature's first call: the separate check, then the lane is prepared
+    launches = _count_launches(monkeypatch)
+    folded_cache = cache.clone()
+    folded = call(good, caches=(folded_cache, folded_cache))
+    assert launches == ["append+check", "forward+check"]
+    with monkeypatch.context() as m:
+        m.setattr(_validate, "value_mode", lambda t: None)  # no value check at all: the unchecked kernels
+        plain_cache = cache.clone()
+        plain = call(good, caches=(plain_cache, plain_cache))
+    assert launches[2:] == ["append", "forward"]
+    assert all(torch.equal(a, b) for a, b in zip(folded, plain)) and torch.equal(folded_cache, plain_cache)
+    cases = dict(_APPEND_BAD, **({"past the rotary tables": ([5, 10], None, "append")} if rotary else {}))
+    for name, (lens, bad_table, kernel) in cases.items():
+        if bad_table is not None and not paged:
+            continue
+        del launches[:]
+        bad_cache = cache.clone()  # k and v one tensor, as in the signature's calls above (the memo keys that)
+        with pytest.raises(Exception, match="tileattn: a KV cache's lengths"):
+            call(lens, table if bad_table is None else torch.tensor(bad_table, dtype=torch.int32),
+                 caches=(bad_cache, bad_cache))
+        assert launches[-1] == kernel + "+check" and "check" not in launches, name
+
+
+@pytest.mark.parametrize("case", ["FOLD_APPEND_CHECK off", "assertions dropped", "host checks", "no checks"])
+def test_the_appending_lane_keeps_the_check_apart_where_the_fold_does_not_apply(device_checks, asserting_interpreter,
+                                                                                monkeypatch, case):
+    """The lane without the fold: the separate check then the unchecked append and forward (the
+    constant off, or kernels that drop their assertions: Triton's interpreter on CPU tensors), the
+    unchecked ones alone (the values checked on the host, or not at all: capture, compile, =0)."""
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    from tileattn.ops import _validate
+    from tileattn.ops import kvcache as kv_ops
+
+    kv_ops._CHECKED.clear()
+    if case == "FOLD_APPEND_CHECK off":
+        monkeypatch.setattr(kv_ops, "FOLD_APPEND_CHECK", False)
+    elif case == "assertions dropped":
+        monkeypatch.setattr(_validate, "kernel_asserts", lambda t: False)
+    call, _, good, _ = _appending_call(True, True, torch.Generator().manual_seed(92))
+    call(good)
+    launches = _count_launches(monkeypatch)
+    if case in ("host checks", "no checks"):
+        monkeypatch.setattr(_validate, "value_mode", lambda t: "host" if case == "host checks" else None)
+    call(good)
+    assert launches == (["append", "forward"] if case in ("host checks", "no checks") else ["check", "append", "forward"])
+    if case != "no checks":
+        with pytest.raises(Exception, match="cache_seqlens|tileattn: a KV cache's lengths"):
+            call([5, 11])
+
+
+def test_the_appending_lane_launches_no_check_for_paged_kv_cache_tensors(device_checks, asserting_interpreter,
+                                                                         monkeypatch):
+    """PagedKVCache vouches for its lengths and block table (their values known on the host, checked
+    there): the lane launches the unchecked append and forward alone, as the full path did."""
+    from tileattn.ops import kvcache as kv_ops
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    kv_ops._CHECKED.clear()
+    gen = torch.Generator().manual_seed(95)
+    cache = tileattn.PagedKVCache(1, num_blocks=16, block_size=4, nheads_k=2, headdim=16, dtype=torch.float32)
+    ids = [cache.allocate() for _ in range(2)]
+    for seq_id, n in zip(ids, (3, 7)):
+        cache.reserve([seq_id], n)
+        cache.advance([seq_id], n)
+    q, new = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 2, 16, generator=gen)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+
+    def step():
+        cache.reserve(ids, 1)
+        tileattn.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0], k=new, v=new, causal=True,
+                                         cache_seqlens=cache.seqlens(ids), block_table=cache.block_table(ids, table))
+        cache.advance(ids, 1)
+
+    step()
+    launches = _count_launches(monkeypatch)
+    step()
+    (plan,) = kv_ops._CHECKED.entries.values()
+    assert launches == ["append", "forward"] and plan.direct and plan.fold
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_append_program_that_finds_a_bad_value_writes_nothing(device_checks, monkeypatch, paged):
+    """Were the append's device assertion to return (it traps), its program would write no key or value
+    and its sequence's length after the append would come out as -1, which the forward's own check
+    refuses: that sequence's rows come out empty (0, lse -inf) and its slots as they were, the other
+    sequence's as before (the interpreter, whose assertions are off by default, stands for that)."""
+    from tileattn.gpu._tuning import interpreting
+    from tileattn.ops import _validate
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)  # the fold taken, its assertions off
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    call, (cache, _), good, _ = _appending_call(paged, False, torch.Generator().manual_seed(93))
+    first_cache = cache.clone()  # k and v one tensor in every call: one signature (the memo keys that)
+    call(good, caches=(first_cache, first_cache))
+    good_cache = cache.clone()
+    good_out, good_lse = call(good, caches=(good_cache, good_cache))
+    bad_cache = cache.clone()  # sequence 1: a block id past the pool where it writes, or no room left
+    bad = torch.tensor([[3, 1, 0], [2, 9, 8]], dtype=torch.int32) if paged else None
+    out, lse = call([3, 4] if paged else [3, 11], bad, caches=(bad_cache, bad_cache))
+    assert torch.equal(out[0], good_out[0]) and torch.equal(lse[0], good_lse[0])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    want = cache.clone()  # sequence 0's new slots written, sequence 1's not
+    if paged:
+        want[3, 3], want[1, 0] = good_cache[3, 3], good_cache[1, 0]
+    else:
+        want[0, 3:5] = good_cache[0, 3:5]
+    assert torch.equal(bad_cache, want)

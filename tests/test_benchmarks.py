@@ -142,7 +142,8 @@ def test_cpu_overhead_script_runs():
 def test_host_launch_times_triton_and_direct_launches():
     """host_launch.py runs Triton's launch path on a stand-in driver; the direct launch is taken
     (the script asserts it), every launcher case prints its three timings, every whole
-    flash_attn_with_kvcache or flash_attn_func call its time and the launches it makes, and every training step its forward,
+    flash_attn_with_kvcache or flash_attn_func call its time and the launches it makes (a split
+    decoding call one: its forward launch merges the splits), and every training step its forward,
     forward + backward and forward without grad, as this CPU dispatches and as the H200 does (the
     Gluon kernels where the Hopper rules take the 512-token calls; the script asserts that the
     timed calls launched them)."""
@@ -157,6 +158,8 @@ def test_host_launch_times_triton_and_direct_launches():
                                                    "decode paged16, 33 splits", "decode contiguous + append",
                                                    "decode paged16 + append", "flash_attn_func, dense k/v"], proc.stdout
     assert all(float(us) > 0 and float(launches) >= 1 for _, us, launches in calls), proc.stdout
+    launched = {name.strip(): float(launches) for name, _, launches in calls}  # split: merged in the one launch
+    assert launched["decode contiguous, 16 splits"] == launched["decode paged16, 33 splits"] == 1, proc.stdout
     paths = {}
     for table in (cpu_steps, h200_steps):
         for line in table.strip().splitlines()[1:]:

@@ -6,7 +6,7 @@ import torch
 import tileattn
 from tileattn import reference as R
 from graphs import captured
-from tolerance import assert_within, plain_attention
+from tolerance import assert_same_to_rounding, assert_within, plain_attention
 
 
 def random_table(batch, seqlen, block_size, num_blocks, gen):
@@ -430,3 +430,337 @@ def test_append_on_the_host_equals_the_device_indexing(monkeypatch, layout):
     for a, b in zip(*caches):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     assert (~caches[0][0].isnan()).sum() == k.numel()
+
+
+# ------------------------------------------------------------------ the eager lane merges its splits in its launch
+
+
+def _lane_device(monkeypatch) -> str:
+    """The Triton kernels' device: CUDA where there is a GPU, else CPU tensors in the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    return "cpu"
+
+
+def _no_counter_left() -> bool:
+    """Whether some (device, stream) has arrival counters and all of them are zero (after a sync)."""
+    from tileattn.gpu import combine
+
+    return bool(combine._COUNTERS) and not any(c.any() for c in combine._COUNTERS.values())
+
+
+@pytest.mark.parametrize("num_splits", [3, 16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_the_eager_lane_merges_the_splits_in_its_launch(monkeypatch, split_launches, paged, sink, num_splits):
+    """A kept signature's split call (the ops layer's lane, ``PreparedFwd``) is one launch: its last
+    split programs merge the splits (``MERGE_SPLITS``), the same bits call after call and what the first
+    call's attention and combine launches gave to rounding (``assert_same_to_rounding``: bit for bit in
+    the interpreter), within the tolerance rule of the float64 reference: sequences of 400, 130,
+    2 and 0 keys over 4 key tiles (16 splits: 12 or more empty for every row; 3 splits: the 130 keys'
+    third empty), 3 causal queries each (2 keys: the first query sees none; 0 keys: none does, out 0
+    and lse -inf, or the sink's lse), GQA 4, head dim 40, a contiguous cache (slots past the lengths
+    NaN) or a permuted pool of pages, sinks or not; outputs and workspace poisoned (conftest); the
+    arrival counters all zero after each call."""
+    dev = _lane_device(monkeypatch)
+    gen = torch.Generator().manual_seed(40 + num_splits)
+    lens, d, dtype = [400, 130, 2, 0], 40, torch.bfloat16
+    q = torch.randn(4, 3, 8, d, generator=gen).to(dtype)
+    k, v = (torch.randn(4, 400, 2, d, generator=gen).to(dtype) for _ in "kv")
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = float("nan"), float("nan")
+    table = random_table(4, 400, 16, 110, gen) if paged else None
+    k_cache, v_cache = (paged_copy(x, table, 16, 110) for x in (k, v)) if paged else (k, v)
+    sinks = torch.randn(8, generator=gen) * 2 if sink else None
+    args = [None if x is None else x.to(dev) for x in (q, k_cache, v_cache, table, sinks,
+                                                         torch.tensor(lens, dtype=torch.int32))]
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(*args[:3], cache_seqlens=args[5], block_table=args[3], causal=True,
+                                                num_splits=num_splits, learnable_sink=args[4], return_softmax_lse=True)
+
+    two = call()  # the signature's first call: attention, then the combine
+    assert split_launches == [False, False]
+    merged = []
+    for _ in range(2):  # the lane, twice on the same counters
+        split_launches.clear()
+        out, lse = call()
+        assert split_launches == [True] and _no_counter_left()
+        merged.append((out, lse))
+    assert torch.equal(merged[0][0], out) and torch.equal(merged[0][1], lse)
+    assert_same_to_rounding("out", out, two[0])
+    assert_same_to_rounding("lse", lse, two[1])
+    out, lse = out.cpu(), lse.cpu()
+    for b, n in enumerate(lens):
+        ref_o, ref_l = R.attention_naive(q[b:b + 1].double().numpy(), k[b:b + 1, :n].double().numpy(),
+                                         v[b:b + 1, :n].double().numpy(), causal=True,
+                                         learnable_sink=None if sinks is None else sinks.double().numpy())
+        plain_o, plain_l = plain_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True,
+                                           learnable_sink=sinks)
+        assert_within(f"sequence {b} out", out[b:b + 1], plain_o, ref_o)
+        assert_within(f"sequence {b} lse", lse[b:b + 1], plain_l, ref_l)
+    no_key = torch.cat([out[3], out[2, :1]])  # rows that see no key: out 0 (a sink has no value)
+    assert torch.equal(no_key, torch.zeros_like(no_key))
+
+
+def test_the_merge_reads_more_splits_than_one_block(monkeypatch, split_launches):
+    """More splits than the merge reads at once (``COMBINE_MAX_BLOCK_S`` + 13, key tiles for 9 more):
+    a later block raises the running maximum and the last 3 splits are empty; the lane's merged
+    launch gives what the attention and combine launches gave, to rounding (``assert_same_to_rounding``)."""
+    from tileattn.gpu import attention, combine
+
+    dev = _lane_device(monkeypatch)
+    gen = torch.Generator().manual_seed(45)
+    splits, keys = combine.COMBINE_MAX_BLOCK_S + 13, (combine.COMBINE_MAX_BLOCK_S + 9) * attention.DECODE_BLOCK_N + 7
+    q = torch.randn(1, 1, 4, 32, generator=gen)
+    k_cache, v_cache = (torch.randn(1, keys, 2, 32, generator=gen) * 3 for _ in "kv")
+    lens = torch.tensor([keys], dtype=torch.int32, device=dev)
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q.to(dev), k_cache.to(dev), v_cache.to(dev), cache_seqlens=lens,
+                                                num_splits=splits, return_softmax_lse=True)
+
+    two = call()
+    split_launches.clear()
+    one = call()
+    assert split_launches == [True] and _no_counter_left()
+    assert_same_to_rounding("out", one[0], two[0])
+    assert_same_to_rounding("lse", one[1], two[1])
+    ref_o, ref_l = R.attention_naive(q.double().numpy(), k_cache.double().numpy(), v_cache.double().numpy())
+    assert_within("out", one[0].cpu(), plain_attention(q, k_cache, v_cache)[0], ref_o)
+
+
+def _permute_program_order(monkeypatch, order: str) -> None:
+    """Triton's interpreter runs a launch's programs one after another in grid order (axis 0 outer, axis 1
+    inner), so a split program of the highest index always arrives last at its row block's counter. Here
+    the programs of every launch run in another order instead: ``reversed`` (the last program first, so
+    split 0 arrives last) or ``shuffled`` (a seeded random order of the whole grid)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_idx, orders = builder.set_grid_idx, {}
+
+    def permuted(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        n = nx * ny * nz
+        if (n, order) not in orders:
+            flat = list(range(n))[::-1] if order == "reversed" else torch.randperm(
+                n, generator=torch.Generator().manual_seed(n)).tolist()
+            orders[n, order] = flat
+        f = orders[n, order][(x * ny + y) * nz + z]
+        set_idx(f // (ny * nz), f // nz % ny, f % nz)
+
+    monkeypatch.setattr(builder, "set_grid_idx", permuted)
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_the_merge_is_made_by_whichever_split_arrives_last(monkeypatch, split_launches, order):
+    """The interpreter's programs in another order than the grid's (``_permute_program_order``), so that
+    the split that arrives last at a row block's counter is not the one of the highest index: still one
+    launch, its merged rows bit for bit the two launches' (attention, then the combine, in grid order),
+    and every counter back at zero. The interpreter runs programs one at a time, so this tests which
+    program merges and the counters' reset, not the memory order (the GPU tests do)."""
+    from tileattn.gpu._tuning import interpreting
+
+    if not interpreting():
+        pytest.skip("Triton's interpreter only")
+    dev = _lane_device(monkeypatch)
+    gen = torch.Generator().manual_seed(47)
+    lens, d = [300, 70, 0], 24
+    q = torch.randn(3, 2, 4, d, generator=gen)
+    k_cache, v_cache = (torch.randn(3, 300, 2, d, generator=gen) for _ in "kv")
+    sinks = torch.randn(4, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                num_splits=5, learnable_sink=sinks, return_softmax_lse=True)
+
+    assert dev == "cpu"
+    two = call()  # grid order: attention, then the combine
+    _permute_program_order(monkeypatch, order)
+    split_launches.clear()
+    one = call()
+    assert split_launches == [True] and _no_counter_left()
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert not one[0].isnan().any()
+
+
+def test_the_merge_rule(monkeypatch):
+    """``gpu.combine.eager_counters``, the one rule: a cached zeroed buffer per (device, stream),
+    grown when a grid outgrows it, another stream's its own; none while the stream captures a CUDA
+    graph, none with ``EAGER_MERGE`` off or for a plan without a merged launch (two launches)."""
+    from types import SimpleNamespace
+
+    from tileattn.gpu import _launch, combine
+
+    monkeypatch.setattr(combine, "_COUNTERS", {})
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: stream[0])
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
+    plan = SimpleNamespace(merged=object(), device_index=0, device="cpu", grid=(5, 3, 1))
+    first = combine.eager_counters(plan)
+    assert first.dtype == torch.int32 and first.numel() >= 5 and not first.any()
+    assert combine.eager_counters(plan) is first
+    stream[0] = 8
+    other = combine.eager_counters(plan)
+    assert other is not first and other.data_ptr() != first.data_ptr()
+    plan.grid = (40, 3, 1)
+    assert combine.eager_counters(plan).numel() >= 40
+    capturing[0] = True
+    assert combine.eager_counters(plan) is None
+    capturing[0] = False
+    monkeypatch.setattr(combine, "EAGER_MERGE", False)
+    assert combine.eager_counters(plan) is None
+    monkeypatch.setattr(combine, "EAGER_MERGE", True)
+    plan.merged = None
+    assert combine.eager_counters(plan) is None
+
+
+def test_no_merge_when_the_current_device_is_not_the_tensors(monkeypatch):
+    """A launch goes to the current device's current stream (``_launch.Launch``), while the counters are
+    keyed and zeroed by the tensors' device's current stream: where the two devices differ, a call on
+    cuda:1 tensors from a thread whose current device is 0 would count on the buffer of cuda:1's stream
+    (which a call made with cuda:1 current uses at the same time, unordered) and find it zeroed on another
+    stream than its own. ``eager_counters`` gives none there (the forward and the combine, as main)."""
+    from types import SimpleNamespace
+
+    from tileattn.gpu import _launch, combine
+
+    monkeypatch.setattr(combine, "_COUNTERS", {})
+    current = [0]
+    monkeypatch.setattr(_launch, "_current_device", lambda: current[0])
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: 100 + index)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    plan = SimpleNamespace(merged=object(), device_index=1, device="cpu", grid=(5, 3, 1))
+    assert combine.eager_counters(plan) is None
+    current[0] = 1
+    assert combine.eager_counters(plan) is combine._COUNTERS[1, 101]
+
+
+def test_eager_merge_off_keeps_two_launches(monkeypatch, split_launches):
+    """``EAGER_MERGE = False`` (the A/B switch): the lane split_launches attention and combine again."""
+    from tileattn.gpu import combine
+
+    dev = _lane_device(monkeypatch)
+    monkeypatch.setattr(combine, "EAGER_MERGE", False)
+    gen = torch.Generator().manual_seed(46)
+    q, cache = torch.randn(1, 1, 4, 16, generator=gen).to(dev), torch.randn(1, 300, 2, 16, generator=gen).to(dev)
+    for _ in range(2):
+        tileattn.flash_attn_with_kvcache(q, cache, cache, num_splits=3,
+                                         cache_seqlens=torch.tensor([300], dtype=torch.int32, device=dev))
+    assert split_launches == [False] * 4
+
+
+def _merged_launches() -> int:
+    """Launches of a merging forward kernel (``MERGE_SPLITS``) so far through the fast path (a
+    variant's first launch goes through Triton's path, which ``fast_calls`` does not count)."""
+    from tileattn.gpu import _launch
+
+    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get("MERGE_SPLITS"))
+
+
+def _h200_step(gen, page: int, sink: bool):
+    """q, k_cache, v_cache, block table, lengths and sinks of docs/perf-notes.md's decoding step:
+    batch 1, GQA 32/8, hdim 128, bf16, 8k keys (8000 in use), contiguous or paged (a permuted pool)."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    if page:
+        blocks = 8192 // page
+        k_cache, v_cache = rand(blocks + 7, page, 8, 128), rand(blocks + 7, page, 8, 128)
+        table = torch.randperm(blocks + 7, device="cuda", generator=gen)[:blocks].view(1, blocks).to(torch.int32)
+    else:
+        k_cache, v_cache, table = rand(1, 8192, 8, 128), rand(1, 8192, 8, 128), None
+    sinks = torch.randn(32, device="cuda", generator=gen) if sink else None
+    return rand(1, 1, 32, 128), k_cache, v_cache, table, torch.tensor([8000], dtype=torch.int32, device="cuda"), sinks
+
+
+_MERGE_LAYOUTS = {"contiguous": (0, False), "paged 16": (16, False), "paged 16, sinks": (16, True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_MERGE_LAYOUTS))
+def test_the_merged_eager_call_equals_the_captured_two_launches(layout):
+    """The eager lane call of a split decoding step (one launch: the cache check folded in and the
+    splits merged by the last split programs) against the same call captured in a CUDA graph (no
+    merge while capturing: attention, then the combine) and replayed: the same to rounding
+    (``assert_same_to_rounding``); 50 more eager calls give the first one's bits; the stream's
+    arrival counters all zero after the eager calls."""
+    q, k_cache, v_cache, table, lens, sinks = _h200_step(torch.Generator(device="cuda").manual_seed(95),
+                                                        *_MERGE_LAYOUTS[layout])
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                learnable_sink=sinks, return_softmax_lse=True)
+
+    call()  # the signature's first call: attention and combine
+    call()  # the lane's first: its merged kernel compiled through Triton's path
+    before = _merged_launches()
+    eager = call()
+    assert _merged_launches() == before + 1, "the eager split call did not merge in its launch"
+    torch.cuda.synchronize()
+    assert _no_counter_left()
+    before = _merged_launches()
+    graph, _, static = captured(call)  # the warm-up on a side stream merges (eager), the capture must not
+    assert _merged_launches() == before + 1, "a captured call merged in its launch"
+    for t in static:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_to_rounding("out", static[0], eager[0])
+    assert_same_to_rounding("lse", static[1], eager[1])
+    for i in range(50):  # more merged calls (each workspace poisoned first): a merge that read a partial
+        again = call()   # before its split's stores were visible would give NaN or other bits, now and then
+        assert torch.equal(again[0], eager[0]) and torch.equal(again[1], eager[1]), f"eager call {i}"
+    torch.cuda.synchronize()
+    assert _no_counter_left()
+
+
+@pytest.mark.gpu
+def test_merged_eager_calls_on_two_streams_at_once(monkeypatch):
+    """Two streams making merged eager calls at once (four calls each per round, 100 rounds; a contiguous
+    and a paged step): each stream counts on a buffer of its own, and every result has the bits of the
+    same call made alone on the current stream, and agrees to rounding with its two launches
+    (``EAGER_MERGE`` off: forward, then combine). Each round first queues a ~2 ms sleep on
+    both streams, so that the calls (host-bound: one call's kernels end before the next call is issued)
+    wait behind it and the two streams' kernels then run at the same time; all counters zero at the end."""
+    from tileattn.gpu import combine
+
+    gen = torch.Generator(device="cuda").manual_seed(96)
+    steps = [_h200_step(gen, 0, False), _h200_step(gen, 16, True)]
+
+    def call(q, k_cache, v_cache, table, lens, sinks):
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                learnable_sink=sinks, return_softmax_lse=True)
+
+    for step in steps:
+        call(*step), call(*step)  # the signature's first call, then the lane's (merged) first: compiled
+    with monkeypatch.context() as m:
+        m.setattr(combine, "EAGER_MERGE", False)
+        two = [call(*step) for step in steps]  # the lane's two launches
+    alone = [call(*step) for step in steps]  # merged, one call at a time
+    for (o2, l2), (o1, l1) in zip(two, alone):
+        assert_same_to_rounding("out", o1, o2)
+        assert_same_to_rounding("lse", l1, l2)
+    main, streams = torch.cuda.current_stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(100):
+        for stream in streams:
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(4_000_000)  # ~2 ms at the H200's clock: the calls below queue behind it
+        results = [[], []]
+        for _ in range(4):
+            for stream, step, got in zip(streams, steps, results):
+                with torch.cuda.stream(stream):
+                    got.append(call(*step))
+        for stream in streams:
+            main.wait_stream(stream)
+        torch.cuda.synchronize()
+        for got, (out, lse) in zip(results, alone):
+            assert all(torch.equal(o, out) and torch.equal(l, lse) for o, l in got)
+    raw = {stream.cuda_stream for stream in streams}
+    assert len([key for key in combine._COUNTERS if isinstance(key, tuple) and key[1] in raw]) == 2
+    assert _no_counter_left()

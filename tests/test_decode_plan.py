@@ -216,3 +216,25 @@ def test_planned_step_replays_from_a_cuda_graph():
     torch.cuda.synchronize()
     for s, e in zip(static, eager):
         torch.testing.assert_close(s, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_split_plan_keeps_the_combine_launch(monkeypatch, split_launches, paged):
+    """``DecodePlan.run`` (run per layer, captured in graphs) launches attention and the combine even
+    where an eager call merges the splits in its launch (``gpu.combine``'s rule, measured slower in
+    graphs); both give the same bits."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TILEATTN_BACKEND", "triton")  # the Triton plan, in the interpreter
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(86)
+    lens, table, layers = _layers(gen, 1, 3, 32, paged, device)
+    q, k_cache, v_cache, _, _ = layers[0]
+    opts = dict(causal=True, num_splits=3, return_softmax_lse=True)
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, table, seqlen_new=0, **opts)
+    got = plan.run(q, k_cache, v_cache)
+    assert split_launches == [False, False]
+    for _ in range(2):  # the signature's first call, then its lane's, which merges
+        split_launches.clear()
+        want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, **opts)
+    assert split_launches == [True]
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and not got[0].isnan().any()

@@ -19,6 +19,7 @@ from tileattn.ops import _validate as V
 from tileattn.ops import attention as dense_ops
 from tileattn.ops import kvcache as kv_ops
 from tileattn.ops._custom import GraphLane
+from tileattn.ops.rotary import apply_rotary
 from test_memo import assert_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +107,69 @@ def test_kvcache_lane_with_append_and_return_variants():
     lanes = [e.lane for e in kv_ops._CHECKED.entries.values()]
     # appending without and with the lse returned, and the lse-only calls without an append
     assert len(lanes) == 3 and all(lane.calls == 1 for lane in lanes)
+
+
+def _appended_copy(cache, new, lens, table, cos, sin, interleaved):
+    """The cache after appending ``new`` at ``lens`` (rotated there when ``cos`` is given), by torch."""
+    want = cache.clone()
+    pos = lens.long()[:, None] + torch.arange(new.shape[1])
+    if cos is not None:
+        new = apply_rotary(new, cos, sin, pos, interleaved)
+    if table is None:
+        want[torch.arange(len(lens))[:, None], pos] = new
+    else:
+        page = cache.shape[1]
+        want[table.long().gather(1, pos // page), pos % page] = new
+    return want
+
+
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_appending_lane_steps(backend, monkeypatch, paged, rotary):
+    """Four decoding steps of one signature that append two tokens each (rotated, q with them, when
+    asked): from the second on, the Triton backend takes the lane at the top of
+    flash_attn_with_kvcache (its prepared append, then its attention); every step's cache (new
+    slots written, every other slot as it was: the unused ones NaN) and (out, lse) against the
+    float64 reference over the keys then in the cache."""
+    from tileattn.gpu import kvcache as append_launcher
+
+    steps = []
+    step_fn = append_launcher.AppendPlan.step
+    monkeypatch.setattr(append_launcher.AppendPlan, "step", lambda self, *a: steps.append(1) or step_fn(self, *a))
+    gen = torch.Generator().manual_seed(90)
+    batch, new, page, interleaved = 2, 2, 4, rotary == "interleaved"
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    table = torch.randperm(11, generator=gen)[:8].view(batch, 4).to(torch.int32) if paged else None
+    shape = (11, page, 2, 16) if paged else (batch, 16, 2, 16)
+    k_cache, v_cache = (torch.full(shape, float("nan")) for _ in range(2))
+    for b, n in enumerate(lens.tolist()):  # the cached keys, the rest NaN
+        for p in range(n):
+            slot = (b, p) if table is None else (int(table[b, p // page]), p % page)
+            k_cache[slot], v_cache[slot] = torch.randn(2, 2, 16, generator=gen)
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(20, 4, generator=gen) * 6.3  # rotary_dim 8 of 16
+        cos, sin = angles.cos(), angles.sin()
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    k_cache, v_cache, lens, table, cos, sin = map(dev, (k_cache, v_cache, lens, table, cos, sin))
+    for step in range(4):
+        q = torch.randn(batch, new, 4, 16, generator=gen)
+        k, v = (torch.randn(batch, new, 2, 16, generator=gen) for _ in range(2))
+        host_table, host_cos, host_sin = (None if t is None else t.cpu() for t in (table, cos, sin))
+        want_k = _appended_copy(k_cache.cpu(), k, lens.cpu(), host_table, host_cos, host_sin, interleaved)
+        want_v = _appended_copy(v_cache.cpu(), v, lens.cpu(), host_table, None, None, interleaved)
+        out, lse = tileattn.flash_attn_with_kvcache(dev(q), k_cache, v_cache, k=dev(k), v=dev(v), rotary_cos=cos,
+                                                    rotary_sin=sin, cache_seqlens=lens, block_table=table, causal=True,
+                                                    rotary_interleaved=interleaved, return_softmax_lse=True)
+        for got, want in ((k_cache, want_k), (v_cache, want_v)):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5 if rotary else 0, equal_nan=True)
+        lens = lens + new  # a new tensor, as a serving loop's
+        if rotary:  # causal: query token i at position lens + i, as its key
+            q = apply_rotary(q, host_cos, host_sin, lens.cpu().long()[:, None] - new + torch.arange(new), interleaved)
+        check_rows(out, lse, q, k_cache, v_cache, lens, table, causal=True)
+    plan = entry(kv_ops._CHECKED)
+    assert plan.lane.calls == 3
+    assert (plan.direct, len(steps)) == ((True, 3) if backend == "triton" else (False, 0))
 
 
 @pytest.mark.parametrize("append", [True, False])

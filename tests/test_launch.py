@@ -9,6 +9,8 @@ on the GPU when there is one.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton.language as tl
@@ -139,6 +141,110 @@ def test_descriptor_kernels_hand_the_c_launcher_what_tritons_wrapper_would(jit, 
         compiled.run(2, 3, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), args[1], 7 + step, args[3], 32)
         assert direct == log.pop() and direct[14] == ("map", a.data_ptr(), 3, 2, 9, (64, 64), (128, 64), (64, 1), False)
     assert launch.fast_calls == 2 and len(jit.slow) == 1
+
+
+class _PlainCompiled(_DescCompiled):
+    """A compiled kernel without descriptors under Triton's own ``CudaLauncher``, whose
+    ``wrap_handle_tensordesc`` hands back the recording C launcher itself."""
+
+    SIGNATURE = {"X": "*fp32", "Y": "*fp32", "n": "i32", "seqlen": "i32", "BLOCK": "constexpr"}
+    META = None
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_plain_kernels_hand_the_c_launcher_what_the_cuda_launcher_would(jit, monkeypatch, scratch):
+    """A kernel without descriptors: once kept, its launches call the C launcher itself with the
+    arguments ``CudaLauncher.__call__`` would pass it (flags, no scratch); a kernel that needs
+    global scratch memory per launch keeps going through ``compiled.run``, which allocates it."""
+    log = []
+    compiled = _PlainCompiled(log)
+    compiled._run.global_scratch_size = scratch
+    allocations = []
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: lambda *a, **m: self.slow.append(a) or compiled)
+    if scratch:
+        from triton.runtime import _allocation
+
+        monkeypatch.setattr(_allocation, "_allocator", SimpleNamespace(
+            get=lambda: lambda size, align, stream: allocations.append(size) or "scratch"))
+    launch = L.Launch(jit, {"BLOCK": 32}, {})
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch((6, 2, 1), x, y, 48, 7)
+    assert len(jit.slow) == 1 and not log
+    for seqlen in (9, 11):
+        launch((6, 2, 1), x, y, 48, seqlen)
+        direct = log.pop()
+        compiled.run(6, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), y.data_ptr(), 48, seqlen, 32)
+        assert direct == log.pop()
+        assert direct[5:9] == (False, False, "scratch" if scratch else None, None)
+    assert launch.fast_calls == 2 and bool(launch.direct) == (not scratch) and len(allocations) == (4 if scratch else 0)
+
+
+class _GluonCompiled(_DescCompiled):
+    """As ``_DescCompiled``, with a Gluon kernel's argument order: the tensors (two read through
+    descriptors), then the numbers, then the constexprs ``GluonLaunch`` passes."""
+
+    SIGNATURE = {"D1": "tensordesc<bf16[64, 64]>", "X": "*fp32", "D2": "tensordesc<fp16[32, 64]>", "n": "i32",
+                 "A": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}
+
+
+def test_a_kept_gluon_launch_encodes_each_set_of_bases_once(jit, monkeypatch):
+    """A kept ``GluonLaunch`` whose ``Launch`` launches directly encodes its descriptors (the driver's
+    CUtensorMap encoder) once per set of base pointers: a later call on the same bases encodes none,
+    one on another set encodes that set, and every call hands the C launcher the arguments Triton's
+    wrapper would give it for fresh descriptors of that call's tensors. The sets kept are bounded."""
+    from types import SimpleNamespace
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime import driver
+
+    from tileattn.gpu import hopper
+
+    fills = []
+
+    def fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):  # the driver's encoder
+        fills.append(ptr)
+        return ("map", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(utils=SimpleNamespace(fill_tma_descriptor=fill)))
+    jit.params = [_Param("D1"), _Param("X"), _Param("D2"), _Param("n")] + [
+        _Param(name, is_constexpr=True) for name in ("A", "CONSUMER_REGS", "PRODUCER_REGS")]
+    jit.arg_names, jit.do_not_specialize = [p.name for p in jit.params], []
+    log = []
+    compiled = _GluonCompiled(log)
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: lambda *a, **m: self.slow.append(a) or compiled)
+    blocks = ((64, 64), None, (32, 64))
+    kept = hopper.GluonLaunch(jit, (2, 3, 1), dict(A=1), blocks + (None,), (7,))
+    x = torch.zeros(64)
+
+    def tensors():
+        return torch.randn(128, 64).to(torch.bfloat16), x, torch.randn(96, 64).to(torch.float16)
+
+    def expected(a, b):  # Triton's wrapper over fresh descriptors of a and b
+        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), hopper._smem_layout(block, t.dtype))
+                if block else t.data_ptr() for t, block in zip((a, x, b), blocks)] + [7]
+        compiled.run(2, 3, 1, 1234, "fn", "meta", None, None, None, *args, *kept.launch.tail)
+        del fills[:]  # the wrapper's own encodes
+        return log.pop()
+
+    a, _, b = tensors()
+    kept(a, x, b)  # the first call goes through Triton
+    assert len(jit.slow) == 1 and not log and not fills and kept.launch.descs
+    for step in range(3):
+        kept(a, x, b)
+        assert fills == ([a.data_ptr(), b.data_ptr()] if step == 0 else []), step
+        assert log.pop() == expected(a, b)
+    a2, _, b2 = tensors()
+    for step in range(2):
+        kept(a2, x, b2)
+        assert fills == ([a2.data_ptr(), b2.data_ptr()] if step == 0 else [])
+        assert log.pop() == expected(a2, b2)
+    kept(a, x, b)
+    assert not fills and log.pop() == expected(a, b) and len(kept.encoded) == 2
+    monkeypatch.setattr(hopper, "_MAX_ENCODED", 2)
+    a3, _, b3 = tensors()
+    kept(a3, x, b3)
+    assert log.pop() == expected(a3, b3) and len(kept.encoded) == 1
+    assert kept.launch.fast_calls == 7 and len(jit.slow) == 1
 
 
 def test_what_the_fast_path_cannot_vouch_for_goes_through_triton(jit, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 
 import tileattn
 from graphs import captured
+from tolerance import assert_same_to_rounding
 
 @contextlib.contextmanager
 def sync_forbidden():
@@ -154,14 +155,6 @@ def test_debug_checks_name_the_problem(monkeypatch):
 # ------------------------------------------------------------------ the device checks' logic, on the CPU
 
 
-@pytest.fixture
-def device_checks(monkeypatch):
-    """The asynchronous checks run on CPU tensors: torch._assert_async then raises at once."""
-    from tileattn.ops import _validate
-
-    monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
-
-
 @pytest.mark.parametrize("lens,pads,table,ok", [
     ([3, 8], None, None, True),
     ([3, 9], None, None, False),
@@ -255,6 +248,46 @@ _BAD_VALUES = {
                                  "bad = good.clone(); bad[0, 3] = -1\n",
                                  "q, c, c, cache_seqlens=lens, block_table=good",
                                  "q, c, c, cache_seqlens=lens, block_table=bad"),
+    # the appending lane's own check (the append kernel's CHECK, then the forward kernel's CHECK_CACHE):
+    # no room left for the new token, a negative length, a length past the rotary tables' rows, a block
+    # id past the pool in the page the append writes, a negative one in a page it only reads
+    "append, no room": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                        "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                        "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                        "good = torch.tensor([3, 31], dtype=torch.int32, device='cuda')\n"
+                        "bad = torch.tensor([3, 32], dtype=torch.int32, device='cuda')\n",
+                        "q, c, c, k=n, v=n, cache_seqlens=good", "q, c, c, k=n, v=n, cache_seqlens=bad"),
+    "append, negative length": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                "good = torch.tensor([3, 20], dtype=torch.int32, device='cuda')\n"
+                                "bad = torch.tensor([-1, 20], dtype=torch.int32, device='cuda')\n",
+                                "q, c, c, k=n, v=n, cache_seqlens=good", "q, c, c, k=n, v=n, cache_seqlens=bad"),
+    "append rotary, past the tables": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                       "c = torch.randn(2, 32, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "a = torch.rand(20, 32, device='cuda')\n"
+                                       "cos, sin = a.cos().half(), a.sin().half()\n"
+                                       "good = torch.tensor([3, 19], dtype=torch.int32, device='cuda')\n"
+                                       "bad = torch.tensor([3, 20], dtype=torch.int32, device='cuda')\n",
+                                       "q, c, c, k=n, v=n, rotary_cos=cos, rotary_sin=sin, cache_seqlens=good",
+                                       "q, c, c, k=n, v=n, rotary_cos=cos, rotary_sin=sin, cache_seqlens=bad"),
+    "append paged, block id written": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                       "c = torch.randn(64, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                       "lens = torch.tensor([3, 100], dtype=torch.int32, device='cuda')\n"
+                                       "good = torch.arange(64, dtype=torch.int32, device='cuda').view(2, 32)\n"
+                                       "bad = good.clone(); bad[1, 6] = 64\n",
+                                       "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=good",
+                                       "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=bad"),
+    "append paged, block id read": ("q = torch.randn(2, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
+                                    "c = torch.randn(64, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                    "n = torch.randn(2, 1, 2, 64, device='cuda', dtype=torch.float16)\n"
+                                    "lens = torch.tensor([3, 100], dtype=torch.int32, device='cuda')\n"
+                                    "good = torch.arange(64, dtype=torch.int32, device='cuda').view(2, 32)\n"
+                                    "bad = good.clone(); bad[1, 2] = -1\n",
+                                    "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=good",
+                                    "q, c, c, k=n, v=n, cache_seqlens=lens, block_table=bad"),
     # a grid of programs (64 sequences x 256 pages): a block id past the pool in the last rows
     "block table": ("q = torch.randn(64, 1, 4, 64, device='cuda', dtype=torch.float16)\n"
                     "c = torch.randn(300, 16, 2, 64, device='cuda', dtype=torch.float16)\n"
@@ -274,8 +307,10 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     A valid call comes first: a kernel's first launch in a process loads its module, which waits
     for the device (and would report the failed assertion there, inside the call). The call after
     it takes the signature's lane: without left pads the forward kernel asserts itself (its
-    ``CHECK_CACHE``, no separate check launched; the script prints which kernel checked), with
-    them the check kernel does."""
+    ``CHECK_CACHE``, no separate check launched; the script prints which kernels checked), with
+    them the check kernel does; with an append, the append kernel (its ``CHECK``) and then the
+    forward kernel, each what it writes or reads by. A split lane's forward kernel is the merged one
+    (``MERGE_SPLITS``: one launch for the attention; the script prints whether the checking launch merged)."""
     import os
     import subprocess
     import sys
@@ -287,15 +322,19 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
         f"tileattn.flash_attn_with_kvcache({good})\n"  # the lane's first call: its kernels loaded too
         "torch.cuda.synchronize()\n"
         "from tileattn.gpu import _launch, checks\n"
-        "def launched(table, fold):\n"
-        "    return sum(l.fast_calls for l in table.values() if fold is None or l.constexprs.get('CHECK_CACHE') == fold)\n"
-        "before = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
+        "def launched():\n"
+        "    return (sum(l.fast_calls for l in checks._LAUNCHES.values()),\n"
+        "            *(sum(l.fast_calls for l in _launch._LAUNCHES.values() if l.constexprs.get(flag))\n"
+        "              for flag in ('CHECK', 'CHECK_CACHE')),\n"
+        "            sum(l.fast_calls for l in _launch._LAUNCHES.values()\n"
+        "                if l.constexprs.get('CHECK_CACHE') and l.constexprs.get('MERGE_SPLITS')))\n"
+        "before = launched()\n"
         "torch.cuda.set_sync_debug_mode('error')\n"
         f"tileattn.flash_attn_with_kvcache({bad})\n"
-        "after = launched(checks._LAUNCHES, None), launched(_launch._LAUNCHES, True)\n"
-        "fwd, check = after[1] > before[1], after[0] > before[0]\n"
-        "print('CHECKED BY', 'the forward kernel' if fwd and not check else 'the check kernel' if check and not fwd\n"
-        "      else 'both or neither', flush=True)\n"
+        "after = launched()\n"
+        "names = [name for name, b, a in zip(('check', 'append', 'forward'), before, after) if a > b]\n"
+        "print('CHECKED BY', ' + '.join(names) or 'none', flush=True)\n"
+        "print('MERGED', 'yes' if after[3] > before[3] else 'no', flush=True)\n"
         "torch.cuda.set_sync_debug_mode('default')\n"
         "print('CALL RETURNED', flush=True)\n"
         "torch.cuda.synchronize()\n"
@@ -306,8 +345,10 @@ def test_a_bad_value_on_the_gpu_fails_by_a_device_assertion(case):
     assert "CALL RETURNED" in done.stdout and "NOT REPORTED" not in done.stdout, done.stdout + done.stderr
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
     assert "tileattn: a KV cache's lengths" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
-    checker = "the check kernel" if case == "leftpad" else "the forward kernel"
-    assert f"CHECKED BY {checker}" in done.stdout, done.stdout
+    checker = "check" if case == "leftpad" else "append + forward" if case.startswith("append") else "forward"
+    assert f"CHECKED BY {checker}\n" in done.stdout, done.stdout
+    if case.endswith(", split"):  # the H200's rule splits 8k keys of 8 KV heads: the merged kernel checked
+        assert "MERGED yes" in done.stdout, done.stdout
 
 
 # ------------------------------------------------------------------ the check folded into the decoding launch
@@ -321,23 +362,6 @@ _FOLD_BAD = {  # (cache_seqlens, block table or None): each out of range in a va
     "negative block id": ([5, 12], [[-2, 1, 0], [2, 5, 8]]),
     "largest paged length": ([5, 2**31 - 1], [[3, 1, 0], [2, 5, 8]]),
 }
-
-
-@pytest.fixture
-def asserting_interpreter(monkeypatch):
-    """Triton's interpreter keeping device assertions, as the ``debug`` option keeps them when compiling:
-    a failed one raises (InterpreterError, with the assertion's message), and the ops layer relies on
-    them as on a GPU (``kernel_asserts``)."""
-    from triton.runtime import interpreter
-
-    from tileattn.gpu._tuning import interpreting
-    from tileattn.ops import _validate
-
-    if not interpreting():
-        pytest.skip("Triton's interpreter only")
-    monkeypatch.setattr(interpreter.interpreter_builder, "options",
-                        interpreter.InterpreterOptions(debug=True, sanitize_overflow=False))
-    monkeypatch.setattr(_validate, "kernel_asserts", lambda t: True)
 
 
 def _count_check_launches(monkeypatch) -> list:
@@ -368,7 +392,13 @@ def test_the_decoding_lane_checks_the_cache_in_its_own_kernel(device_checks, ass
 
     first = call([5, 12])  # the signature's first call: the separate check, then the lane is prepared
     checks = _count_check_launches(monkeypatch)
+    from tileattn.gpu import _launch
+
+    launch, kinds = _launch.Launch.__call__, []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *args: kinds.append(
+        (self.constexprs.get("CHECK_CACHE"), self.constexprs.get("MERGE_SPLITS"))) or launch(self, *args))
     assert torch.equal(call([5, 12]), first) and not checks
+    assert kinds == [(True, num_splits > 1)]  # split: one launch, checked and merged
     if paged:  # entry 9 lies in sequence 1's third page, which 8 keys do not reach
         call([5, 8], torch.tensor([[3, 1, 0], [2, 5, 9]], dtype=torch.int32))
     for name, (lens, table) in _FOLD_BAD.items():
@@ -412,12 +442,13 @@ def test_a_program_that_finds_a_bad_value_reads_no_key(device_checks, monkeypatc
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
-def _folded_launches() -> int:
-    """Launches of a forward kernel with the cache check folded in, so far, through the fast path (a
-    variant's first launch goes through Triton's path and is not counted)."""
+def _folded_launches(flag: str = "CHECK_CACHE") -> int:
+    """Launches of a kernel with the cache check folded in (the forward's ``CHECK_CACHE``, the append's
+    ``CHECK``), so far, through the fast path (a variant's first launch goes through Triton's path and
+    is not counted)."""
     from tileattn.gpu import _launch
 
-    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get("CHECK_CACHE"))
+    return sum(launch.fast_calls for launch in _launch._LAUNCHES.values() if launch.constexprs.get(flag))
 
 
 _FOLD_LAYOUTS = {  # name: (batch, page size or 0, num_splits)
@@ -433,11 +464,21 @@ _FOLD_LAYOUTS = {  # name: (batch, page size or 0, num_splits)
 @pytest.mark.parametrize("layout", sorted(_FOLD_LAYOUTS))
 def test_the_folded_check_gives_the_same_bits_eager_and_replayed(layout, monkeypatch):
     """The decoding lane with the check folded in (the default on CUDA tensors) against the same
-    lane without any check (TILEATTN_DEBUG_CHECKS=0), bitwise: eager, replayed from a CUDA graph
-    as captured by default (no value check during capture) and replayed with the folded kernel
-    captured (value checks forced on during the capture)."""
+    lane without any check (TILEATTN_DEBUG_CHECKS=0): eager, bitwise; replayed from a CUDA graph as
+    captured by default (no value check during capture) and with the folded kernel captured (value
+    checks forced on during the capture), bitwise one against the other. The eager split calls merge
+    in their launch and the captured ones launch the combine: those agree to rounding."""
+    from tileattn.gpu import _launch
     from tileattn.ops import _validate
 
+    folded, launch = [], _launch.Launch.__call__  # each launch of a forward kernel with the check folded in
+
+    def counted(self, *args):  # its first launch (through Triton's path) too, which fast_calls leaves out
+        if self.constexprs.get("CHECK_CACHE"):
+            folded.append(1)
+        return launch(self, *args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", counted)
     batch, page, splits = _FOLD_LAYOUTS[layout]
     gen = torch.Generator(device="cuda").manual_seed(90)
     q = rand(batch, 1, 32, 128, gen=gen)
@@ -458,19 +499,97 @@ def test_the_folded_check_gives_the_same_bits_eager_and_replayed(layout, monkeyp
     call()
     plain = call()  # the lane, unchecked
     monkeypatch.delenv("TILEATTN_DEBUG_CHECKS")
-    call()  # the checked kernel's first launch compiles it through Triton's path, which fast_calls does not count
-    before = _folded_launches()
-    folded = call()
-    assert _folded_launches() == before + 1
+    call()
+    before = len(folded)
+    checked = call()
+    assert len(folded) == before + 1
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(folded, plain))
+    assert all(torch.equal(a, b) for a, b in zip(checked, plain))
 
+    replayed = {}
     for force in (False, True):
         if force:
             monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
-        before = _folded_launches()
+        before = len(folded)
         graph, _, static = captured(call)
-        assert _folded_launches() == before + force + 1  # the warm-up call's launch, then the capture's
+        # the warm-up call's launch (merged when split), then the capture's (split: the unmerged kernel's
+        # first launch, which Launch.fast_calls would not count)
+        assert len(folded) == before + force + 1
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(static, plain)), f"captured {'folded' if force else 'plain'}"
+        replayed[force] = static
+        for name, a, b in zip(("out", "lse"), static, plain):  # captured: two launches; eager: merged if split
+            assert_same_to_rounding(f"captured {'folded' if force else 'plain'} {name}", a, b)
+    assert all(torch.equal(a, b) for a, b in zip(*replayed.values())), "captured folded != captured plain"
+
+
+# ------------------------------------------------------------------ the check folded into the appending lane
+
+
+_APPEND_LAYOUTS = {  # name: (batch, page size or 0, rotary)
+    "contiguous": (1, 0, False),
+    "contiguous, batch 3, rotary": (3, 0, True),
+    "paged 16": (1, 16, False),
+    "paged 16, batch 3, rotary": (3, 16, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_APPEND_LAYOUTS))
+def test_the_folded_append_gives_the_same_bits_eager_and_replayed(layout, monkeypatch):
+    """The appending lane with the check folded into its two launches (the default on CUDA tensors)
+    against the same lane without any check (TILEATTN_DEBUG_CHECKS=0), outputs and caches: eager,
+    bitwise; replayed from a CUDA graph as captured by default (no value check during capture) and
+    with the checked kernels captured (value checks forced on during the capture), bitwise one against
+    the other; eager (split calls merged in their launch) against captured (the combine launched) to
+    rounding, the caches bitwise. Every call appends the same token at the same lengths, so every
+    cache ends alike."""
+    from tileattn.ops import _validate
+
+    batch, page, rotary = _APPEND_LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(94)
+    q, k_new, v_new = rand(batch, 1, 32, 128, gen=gen), rand(batch, 1, 8, 128, gen=gen), rand(batch, 1, 8, 128, gen=gen)
+    lens = torch.tensor([8000, 17, 4096][:batch], dtype=torch.int32, device="cuda")
+    angles = torch.rand(8192, 64, device="cuda", generator=gen)
+    rope = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin()) if rotary else {}
+    if page:
+        blocks = 8192 // page
+        caches = (rand(batch * blocks + 7, page, 8, 128, gen=gen), rand(batch * blocks + 7, page, 8, 128, gen=gen))
+        table = torch.randperm(batch * blocks + 7, device="cuda", generator=gen)[:batch * blocks]
+        table = table.view(batch, blocks).to(torch.int32)
+    else:
+        caches, table = (rand(batch, 8192, 8, 128, gen=gen), rand(batch, 8192, 8, 128, gen=gen)), None
+
+    def on(kv):
+        return lambda: tileattn.flash_attn_with_kvcache(q, *kv, k=k_new, v=v_new, **rope, cache_seqlens=lens,
+                                                        block_table=table, causal=True, return_softmax_lse=True)
+
+    monkeypatch.setenv("TILEATTN_DEBUG_CHECKS", "0")
+    plain_kv = tuple(c.clone() for c in caches)
+    on(plain_kv)()
+    plain = on(plain_kv)()  # the lane, unchecked
+    monkeypatch.delenv("TILEATTN_DEBUG_CHECKS")
+    folded_kv = tuple(c.clone() for c in caches)
+    on(folded_kv)()  # the checked kernels' first launches compile them through Triton's path (not counted)
+    before = _folded_launches("CHECK"), _folded_launches()
+    folded = on(folded_kv)()
+    assert (_folded_launches("CHECK"), _folded_launches()) == (before[0] + 1, before[1] + 1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(folded, plain))
+    assert all(torch.equal(a, b) for a, b in zip(folded_kv, plain_kv))
+
+    replayed = {}
+    for force in (False, True):
+        if force:
+            monkeypatch.setattr(_validate, "value_mode", lambda t: "device")
+        graph_kv = tuple(c.clone() for c in caches)
+        before = _folded_launches("CHECK")
+        graph, _, static = captured(on(graph_kv))
+        assert _folded_launches("CHECK") == before + force + 1  # the warm-up call's launch, then the capture's
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed[force] = static
+        for name, a, b in zip(("out", "lse"), static, plain):  # captured: two launches; eager: merged if split
+            assert_same_to_rounding(f"captured {'folded' if force else 'plain'} {name}", a, b)
+        assert all(torch.equal(a, b) for a, b in zip(graph_kv, plain_kv)), f"captured {'folded' if force else 'plain'}"
+    assert all(torch.equal(a, b) for a, b in zip(*replayed.values())), "captured folded != captured plain"

@@ -15,6 +15,7 @@ import triton
 
 from tileattn import reference
 import tileattn.gpu.attention as launch
+import tileattn.gpu.combine as combine
 from tileattn.gpu.attention import attn_fwd
 from tileattn.contract import AttnParams
 
@@ -117,8 +118,8 @@ def test_num_splits_give_the_same_answer(num_splits):
 def test_more_splits_than_the_combine_reads_at_once():
     # Key tiles for 9 more splits than the combine reads per block, over 4 more splits still:
     # the second block can raise the running maximum, and the last 3 splits are empty (weight 0).
-    splits = launch.COMBINE_MAX_BLOCK_S + 13
-    seqlen_k = (launch.COMBINE_MAX_BLOCK_S + 9) * launch.DECODE_BLOCK_N + 7
+    splits = combine.COMBINE_MAX_BLOCK_S + 13
+    seqlen_k = (combine.COMBINE_MAX_BLOCK_S + 9) * launch.DECODE_BLOCK_N + 7
     q, k, v, out, lse = _dense(6, 1, 2, seqlen_k, 4, 2, 32, torch.float32, num_splits=splits, causal=True)
     _check(f"splits={splits}", out, lse, q, k, v, causal=True)
 

@@ -102,3 +102,21 @@ def plain_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         p = p * z.to(p.dtype).to(p.device)
     out = (p @ vt).transpose(1, 2)
     return out, lse
+
+
+def assert_same_to_rounding(name: str, got, want) -> None:
+    """``got`` and ``want``, two forms of one computation, agree bit for bit in Triton's interpreter
+    (CPU tensors: the same NumPy operations) and to one rounding step of their dtype on a GPU, where
+    each kernel's compiler orders a reduction's additions and contracts ``a * b + c`` on its own:
+    |got - want| <= eps |want| element by element, and the same infinities and NaNs."""
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape} {got.dtype} != {want.shape} {want.dtype}"
+    if not got.is_cuda:
+        assert torch.equal(got, want), f"{name}: not bit for bit in the interpreter"
+        return
+    a, b = got.double(), want.double()
+    finite = torch.isfinite(b)
+    assert torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()) and torch.isfinite(a[finite]).all(), \
+        f"{name}: other infinities or NaNs"
+    bound = torch.finfo(got.dtype).eps * b[finite].abs() + torch.finfo(got.dtype).tiny
+    excess = (a[finite] - b[finite]).abs() - bound
+    assert bool((excess <= 0).all()), f"{name}: {int((excess > 0).sum())} elements differ by more than a rounding step"

@@ -12,7 +12,8 @@ Choices made here:
   ``PACK_GQA`` puts the group's heads into the tile's rows, so each K/V tile is read once per
   KV head; when the packed rows fit in 64 a small fixed tile (BLOCK_M 16..64) is used;
 * ``num_splits = 0``: split the keys when batch x heads x query blocks cannot fill the SMs
-  (``_auto_splits``); the partial states are merged by ``kernels.combine``;
+  (``_auto_splits``); the partial states are merged by a combine launch, or by the split launch
+  itself (``FwdPlan.merged``: eager prepared calls, ``gpu/combine.py``);
 * a packed batch over a KV cache (``seqused_k``) mixing sequences of few new tokens (decoding,
   speculative rows) with long ones (prefill chunks): two launches into the same outputs, the
   short sequences with the decode tile (split when asked) and the long ones with the prefill
@@ -36,11 +37,12 @@ import triton
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from ..kernels.combine import UNSPLIT_MARK, _combine_kernel
+from ..kernels.combine import UNSPLIT_MARK
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import (Launch, cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2,
                       partials_workspace, plan_for)
+from .combine import combine_launch, merge_constexprs
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket, softcap_form
 from .hopper_fp8 import Fp8DecodePlan, hopper_fp8_decode_reason
 from .hopper import HopperPartials, hopper_attn_fwd, hopper_fwd_reason, hopper_partials_reason, hopper_partials_splits
@@ -65,8 +67,6 @@ MAX_SPLITS = 128
 # the price where every sequence has the same length, batch 64 x 8k: 484 -> 503 us (4 splits)
 RAGGED_WAVES = 12
 RAGGED_MIN_KEYS = 1024
-COMBINE_MAX_BLOCK_S = 64  # splits the combine reads at once (fewer when there are fewer splits)
-COMBINE_MAX_TILE = 64 * 256  # ... and of them x head dim: 32 splits at 512 (64 spilled 2.8 KB on sm_90)
 # The decode tile, measured on the H200 by benchmarks/decode_tiles.py (docs/perf-notes.md): keys
 # per tile (also the unit the split heuristic counts in), and a smaller one for caches whose
 # pages hold whole tiles (one table lookup per tile), where 64 keys beat 128.
@@ -126,7 +126,6 @@ _FWD_FIRST_INT = _attn_fwd_kernel.arg_names.index("stride_qb")  # the plan's int
 # where a call's own key strides and length go among them when the plan takes those per call
 _K_INTS = _attn_fwd_kernel.arg_names.index("stride_kb") - _FWD_FIRST_INT
 _SEQLEN_K_INT = _attn_fwd_kernel.arg_names.index("seqlen_k_arg") - _FWD_FIRST_INT
-_COMBINE_FIRST_INT = _combine_kernel.arg_names.index("stride_po_split")
 
 
 @functools.lru_cache(maxsize=None)
@@ -489,7 +488,8 @@ class FwdPlan:
             num_splits = _auto_splits(programs, cdiv(seqlen_k, block_n), device, smem, waves=2 if paged else 1,
                                       ragged_blocks=seqlen_k // RAGGED_MIN_KEYS if ragged else 0)
         split_kv = num_splits > 1
-        self.num_splits = num_splits
+        self.num_splits, self.device = num_splits, device
+        self.device_index = device.index if device.type == "cuda" else -1
         self.long = FwdPlan(key, min_seqlen_q=short + 1) if mixed else None
         self.marked = split_kv and mixed  # the long sequences' rows, which the combine skips
 
@@ -528,6 +528,7 @@ class FwdPlan:
             HAS_DROPOUT=has_dropout, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
             HAS_SINK=sink is not None, HEAD_DIM_TAIL=head_dim_tail, HEAD_DIM_TAIL_PAD=head_dim_tail_pad,
             V_IS_K=v_is_k, SINGLE_LOOP=wide, CHECK_CACHE=False, CHECK_BLOCK_P=128,  # the check: checking_launch
+            MERGE_SPLITS=False, MERGE_ROWS=1, MERGE_BLOCK_S=1, MERGE_UNROLL=1,  # the merge: merged
         )
         self.flags = flags
 
@@ -536,17 +537,30 @@ class FwdPlan:
 
         self._grid = grid
         ws_dtype = torch.float32 if split_kv else None
-        # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``)
-        self._signature = ((q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype,
-                            None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k,
-                            seqused, None if table is None else table[-1], descale, descale),
-                           int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints))
+        # what the compiled kernel depends on beyond its constexprs (``_launch.launch_for``): the
+        # tensors' dtypes (the merged launch's outputs and counters: None but in ``merged``'s)
+        tensors = (None if alibi is None else alibi[-1], sink, None if cu_q is None else cu_q[-1], cu_k, seqused,
+                   None if table is None else table[-1], descale, descale)
+        ints = int_class(_attn_fwd_kernel, _FWD_FIRST_INT, self.ints)
+        parts = (q_dtype, k_dtype, v_dtype, ws_dtype or o_dtype, ws_dtype or l_dtype)
+        self._signature = ((*parts, None, None, None, *tensors), ints)
+        self._merged_signature = ((*parts, o_dtype, l_dtype, torch.int32, *tensors), ints)
         self.tuned = self.tune_key = None
+        self.merged = None  # the split launch that merges its splits itself (``MERGE_SPLITS``), or None
         if decode:
             num_warps = WIDE_NUM_WARPS if wide and block_m == WIDE_BLOCK_M else DECODE_NUM_WARPS
             self.fwd = launch_for(_attn_fwd_kernel, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
                                   dict(num_warps=num_warps, num_stages=stages), self._signature)
             self.grid = grid(block_m)
+            # the small decode tile's splits (not the wide tile's, nor a mixed batch's), where the
+            # outputs lie as one split of the workspace (the merge writes them at the partials' offsets)
+            one_split = (o_strides[1:] == (stride_ob, stride_os, stride_oh)
+                         and l_strides[1:] == (stride_lb, stride_lh, stride_ls))
+            merge = merge_constexprs(min(block_m, next_power_of_2(max_rows)), num_splits, head_dim_v, head_dim_v_pad,
+                                     num_warps) if split_kv and not wide and not mixed and one_split else None
+            if merge is not None:
+                self.merged = launch_for(_attn_fwd_kernel, dict(self.fwd.constexprs, **merge), self.fwd.options,
+                                         self._merged_signature)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
             self.tuned = _attn_fwd_tuned(bucket if self.kv_per_call else length_bucket(seqlen_q, seqlen_k))
@@ -556,7 +570,7 @@ class FwdPlan:
                                             HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V_PAD=head_dim_v_pad)[0])
         self.combine = None
         if split_kv:
-            self.combine, self.combine_grid, self.combine_ints = _combine_launch(
+            self.combine, self.combine_grid, self.combine_ints = combine_launch(
                 self.workspace_shapes, varlen, o_stride, l_stride, head_dim_v, head_dim_v_pad, o_dtype, l_dtype, sink,
                 self.marked)
 
@@ -573,8 +587,8 @@ class FwdPlan:
                 l_dst[0].view(torch.int32).fill_(UNSPLIT_MARK.value)
         else:
             o_dst, l_dst = out, lse
-        args = (q, k, v, o_dst, l_dst, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                block_table, k_descale, v_descale, *self.call_ints(k, v), *scalar_args(params, q.shape[-2]))
+        args = (q, k, v, o_dst, l_dst, None, None, None, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                seqused_k, block_table, k_descale, v_descale, *self.call_ints(k, v), *scalar_args(params, q.shape[-2]))
         if self.fwd is not None:
             self.fwd(self.grid, *args)
         else:
@@ -585,21 +599,22 @@ class FwdPlan:
         if self.combine is not None and combine:
             self.combine(self.combine_grid, o_dst, l_dst, out, lse, learnable_sink, *self.combine_ints)
 
-    def checking_launch(self) -> Launch | None:
-        """``fwd`` with the KV cache's value check folded in (the kernel's ``CHECK_CACHE``, compiled
-        with Triton's ``debug`` option and ``sanitize_overflow`` off), for a caller that would
-        otherwise launch ``gpu.checks``' kernel before it with the lengths' top at the cache's
-        capacity (no append) and no left pads; None where the fold would not check what that
-        kernel does: no tile yet, a mixed batch, packed queries, no ``seqused_k``, a left window
+    def checking_launch(self, merged: bool = False) -> Launch | None:
+        """``fwd`` (``merged``: ``merged``) with the KV cache's value check folded in (the kernel's
+        ``CHECK_CACHE``, compiled with Triton's ``debug`` option and ``sanitize_overflow`` off), for a
+        caller that would otherwise launch ``gpu.checks``' kernel before it with the lengths' top at
+        the cache's capacity (no append) and no left pads; None where the fold would not check what
+        that kernel does: no tile yet, a mixed batch, packed queries, no ``seqused_k``, a left window
         (pages before it are read by no program), no query rows (no program), a block table
-        without columns (nothing to clamp a bad length's page ids to)."""
-        flags, fwd = self.flags, self.fwd
+        without columns (nothing to clamp a bad length's page ids to), or no merged launch."""
+        flags, fwd = self.flags, self.merged if merged else self.fwd
         if (fwd is None or self.long is not None or flags["IS_VARLEN"] or not flags["HAS_SEQUSED_K"]
                 or flags["MASK_LEFT"] or self.grid[0] == 0 or flags["IS_PAGED"] and self.cache_top == 0):
             return None
         return launch_for(_attn_fwd_kernel,
                           dict(fwd.constexprs, CHECK_CACHE=True, CHECK_BLOCK_P=32 * fwd.options["num_warps"]),
-                          dict(fwd.options, debug=True, sanitize_overflow=False), self._signature)
+                          dict(fwd.options, debug=True, sanitize_overflow=False),
+                          self._merged_signature if merged else self._signature)
 
     def call_ints(self, k, v) -> tuple:
         """The integer arguments of a launch on these keys and values: ``ints``, with the call's own
@@ -646,37 +661,3 @@ def scalar_args(params: AttnParams, nheads: int) -> tuple:
     return (float(params.softmax_scale) * LOG2E.value, float(params.softcap), params.window_left,
             params.window_right, params.diag_shift, *params.dropout_offsets(nheads), params.dropout_seed,
             keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0)
-
-
-def merge_parts(o_parts, lse_parts, out, lse) -> None:
-    """Merge partial states over disjoint key sets into ``out`` (B, Sq, H, Dv; any strides, last
-    contiguous, any dtype) and ``lse`` (B, H, Sq) fp32: ``o_parts`` (S, B, Sq, H, Dv) and
-    ``lse_parts`` (S, B, H, Sq) fp32, any strides (o's last contiguous) — the split combine's
-    kernel on states the caller computed (a cascade's prefix splits and suffix). One launch, no
-    host sync."""
-    assert o_parts.stride(-1) == 1 and out.stride(-1) == 1, "validated by tileattn.ops"
-    head_dim = o_parts.shape[-1]
-    launch, grid, ints = _combine_launch((tuple(o_parts.shape), tuple(lse_parts.shape)), False, out.stride()[:3],
-                                         lse.stride(), head_dim, max(16, next_power_of_2(head_dim)), out.dtype,
-                                         lse.dtype, None, False, (o_parts.stride()[:4], lse_parts.stride()))
-    launch(grid, o_parts, lse_parts, out, lse, None, *ints)
-
-
-def _combine_launch(workspace, varlen: bool, o_stride, l_stride, head_dim: int, head_dim_pad: int, o_dtype,
-                    l_dtype, sink, marked: bool, part_strides=None) -> tuple[Launch, tuple, tuple]:
-    """The merge of the (splits, B, Sq, H, D) partials, and the sinks if any (``sink``: their
-    dtype or None), into ``out``/``lse`` (varlen as B = 1), skipping the ``marked`` rows when
-    asked: its launch, grid and integer arguments. The partials are contiguous unless
-    ``part_strides`` gives (o's, lse's) strides (the head dim's stride 1)."""
-    (num_splits, batch, seqlen_q, nheads, _), l_shape = workspace
-    po, pl = part_strides or (contiguous_strides(workspace[0]), contiguous_strides(l_shape))
-    if varlen:
-        o_stride, l_stride = (0, *o_stride[:2]), (0, *l_stride[:2])
-    ints = (*po[:4], *pl[:4], *o_stride[:3], *l_stride[:3], nheads, seqlen_q, num_splits)
-    block_s = min(next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S, COMBINE_MAX_TILE // head_dim_pad)
-    launch = launch_for(_combine_kernel,
-                        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_S=block_s, HAS_SINK=sink is not None,
-                             SKIP_MARKED=marked),
-                        dict(num_warps=4), ((torch.float32, torch.float32, o_dtype, l_dtype, sink),
-                                            int_class(_combine_kernel, _COMBINE_FIRST_INT, ints)))
-    return launch, (batch * seqlen_q * nheads, 1, 1), ints

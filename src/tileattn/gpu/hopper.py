@@ -272,26 +272,48 @@ class GluonLaunch:
     metadata (shapes, strides, dtypes, which are None: the prepared launches' callers vouch for it),
     only copies the kept descriptor fields with its own tensors as bases (~0.35 µs each on the 2-core
     CPU machine, against ~1 for a lookup by shape and 5 for ``arg_classes`` of the forward's 30
-    arguments). The launchers of single calls (``hopper_attn_fwd``, ``hopper_attn_bwd``) make one
+    arguments). Once the ``Launch`` launches directly, the descriptors as its C launcher takes them
+    (``Launch.encode``: the driver's CUtensorMap encoding, ~1 µs each on the GPU host) are kept per
+    set of base pointers (``encoded``, at most ``_MAX_ENCODED``): a CUtensorMap holds the base, the
+    shape, the strides, the padding and the slot's tile, swizzle and element type, and all but the
+    base are fixed for a ``GluonLaunch``, so a call whose bases were seen before reuses the same
+    bytes; the caching allocator hands a loop's outputs and activations the same addresses step
+    after step. The launchers of single calls (``hopper_attn_fwd``, ``hopper_attn_bwd``) make one
     per call: the work the first call does is what every call did before."""
 
-    __slots__ = ("kernel", "grid", "constexprs", "blocks", "numbers", "kept", "launch")
+    __slots__ = ("kernel", "grid", "constexprs", "blocks", "numbers", "kept", "launch", "encoded")
 
     def __init__(self, kernel, grid: tuple[int, int, int], constexprs: dict, blocks: tuple, numbers: tuple):
         self.kernel, self.grid, self.constexprs, self.blocks, self.numbers = kernel, grid, constexprs, blocks, numbers
-        self.kept, self.launch = (), None
+        self.kept, self.launch, self.encoded = (), None, {}
 
     def __call__(self, *tensors) -> None:
         launch = self.launch
-        if launch is None:  # (position, kept fields) of each descriptor
+        args = [*tensors, *self.numbers]
+        if getattr(launch, "descs", None):  # a direct Launch kept: the descriptors encoded once per set of bases
+            bases = tuple([tensors[i].data_ptr() for i, _ in self.kept])
+            encoded = self.encoded.get(bases)
+            if encoded is None:
+                encoded = launch.encode(self._described(args))
+                if len(self.encoded) >= _MAX_ENCODED:
+                    self.encoded.clear()
+                self.encoded[bases] = encoded
+            if launch.launched(self.grid, args, encoded):
+                return
+        elif launch is None:  # (position, kept fields) of each descriptor
             self.kept = tuple((i, _kept_fields(tensors[i], block)) for i, block in enumerate(self.blocks)
                               if block is not None)
-        args = [*tensors, *self.numbers]
-        for i, kept in self.kept:
-            args[i] = _rebase(kept, args[i])
+        args = self._described(args)
         if launch is None:
             launch = self.launch = launch_of(self.kernel, args, self.constexprs)
         launch(self.grid, *args)
+
+    def _described(self, args: list) -> list:
+        """``args`` with a descriptor (``_rebase``) in place of each tensor that is read through one."""
+        args = list(args)
+        for i, kept in self.kept:
+            args[i] = _rebase(kept, args[i])
+        return args
 
 
 def launch_of(kernel, args: tuple, constexprs: dict):
@@ -346,6 +368,7 @@ def _rebase(kept: tuple, t: torch.Tensor):
 
 _DESCRIPTOR_FIELDS: dict = {}  # (shape, strides, block, dtype) -> (descriptor class, its fields, base None)
 _MAX_DESCRIPTORS = 1024  # kept field sets; all are dropped when full (shapes that do not come back)
+_MAX_ENCODED = 256  # a GluonLaunch's encoded descriptor sets (one per set of bases); all dropped when full
 
 
 def hopper_attn_fwd(q, k, v, out, lse, *, params: AttnParams, cu_seqlens_q=None, cu_seqlens_k=None,

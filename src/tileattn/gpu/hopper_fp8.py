@@ -15,7 +15,7 @@ softcap, ALiBi, dropout or learnable sinks; TMA-readable strides and 16-byte ali
 The launch: a persistent grid (one program per SM, at most one per work item) over work items of
 (sequence, KV head, key split); every item writes two partial states (one per consumer warpgroup),
 so the workspace holds ``2 num_splits`` fp32 partials and ``combine.py``'s kernel merges them into
-``out``/``lse`` (the portable split path's launch, ``_combine_launch``). Splits (``fp8_decode_splits``):
+``out``/``lse`` (the portable split path's launch, ``combine_launch``). Splits (``fp8_decode_splits``):
 the caller's count, or with 0 enough for ``ITEMS_PER_SM`` items per SM (the sequences' lengths, per
 call on the device, may differ: many short items balance), each split at least ``MIN_SPLIT_TILES``
 key tiles of 128.
@@ -30,6 +30,7 @@ import torch
 from ..contract import AttnParams
 from ..kernels.common import LOG2E
 from ._launch import cdiv, contiguous_strides, partials_workspace
+from .combine import combine_launch
 from .hopper import GluonLaunch, _pointers_reason, _sms, _strides_reason, call_reason, device_reason, options_reason
 
 __all__ = ["hopper_fp8_decode_reason", "fp8_decode_splits", "Fp8DecodePlan", "FP8_DECODE_STAGES", "FP8_DECODE_OVERLAP",
@@ -106,7 +107,6 @@ class Fp8DecodePlan:
     def __init__(self, q, k, out, lse, params: AttnParams, *, block_table, seqused_k, max_seqlen_k: int,
                  num_splits: int, fallback):
         from ..kernels.decode_fp8_hopper import _decode_fp8_hopper_kernel
-        from .attention import _combine_launch
 
         batch, seqlen_q, nheads, _ = q.shape
         nheads_k = k.shape[2]
@@ -129,7 +129,7 @@ class Fp8DecodePlan:
         self.fwd = GluonLaunch(_decode_fp8_hopper_kernel, (min(items * self.num_splits, sms), 1, 1), dict(
             GROUP=nheads // nheads_k, HAS_SEQUSED=seqused_k is not None, CAUSAL=self.causal, PAGE=page,
             STAGES=FP8_DECODE_STAGES, OVERLAP=FP8_DECODE_OVERLAP), (kv_block, kv_block) + (None,) * 7, numbers)
-        self.combine, self.combine_grid, self.combine_ints = _combine_launch(
+        self.combine, self.combine_grid, self.combine_ints = combine_launch(
             self.workspace_shapes, False, out.stride()[:3], lse.stride(), HEAD_DIM, HEAD_DIM, out.dtype, lse.dtype,
             None, False)
         self.fallback, self._fallback_plan = fallback, None

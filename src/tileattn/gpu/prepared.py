@@ -23,6 +23,11 @@ A launch over a KV cache whose plan can fold the cache's value check into its ke
 launches that kernel, which asserts the lengths and block-table entries each program reads by
 before it reads a key, instead of the plain one. The ops layer asks for it in place of launching
 ``gpu.checks``' kernel first (``tileattn.ops.kvcache``): one launch fewer per decoding call.
+
+A split launch whose plan has a merged form (``FwdPlan.merged``) launches it for an eager call
+(``gpu.combine.eager_counters``: not while the stream captures a CUDA graph), its last split
+programs merging the partials in place of the combine launch (the cache's check folded in too
+where asked): one launch per decoding call in all.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from . import attention as A
 from ._launch import contiguous_strides
+from .combine import eager_counters
 from .hopper import MIN_SEQLEN_Q, HopperFwd, call_reason, fwd_signature_reason
 
 __all__ = ["prepare_fwd", "PreparedFwd"]
@@ -58,11 +64,12 @@ def prepare_fwd(q, k, v, out, lse, *, params, alibi_slopes, max_seqlen_q: int, m
                                   max_seqlen_q=max_seqlen_q, out=out, lse=lse) is None
     # the cache's value check folded into the kernel: public calls only (the diagonal where the last
     # query block's splits read every page in use, kernels/attn_fwd.py)
-    checking = plan.checking_launch() if not hopper and params.diag_shift == 0 else None
+    checking = (plan.checking_launch(), plan.checking_launch(merged=True)) \
+        if not hopper and params.diag_shift == 0 else (None, None)
     return PreparedFwd(plan, (*plan.call_ints(k, v), *A.scalar_args(params, q.shape[-2])),
                        dict(params=params, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=num_splits),
                        (tuple(out.shape), tuple(lse.shape), lse.dtype),
-                       HopperFwd(params, max_seqlen_q, max_seqlen_k) if hopper else None, out_like_q, checking)
+                       HopperFwd(params, max_seqlen_q, max_seqlen_k) if hopper else None, out_like_q, *checking)
 
 
 class PreparedFwd:
@@ -70,22 +77,25 @@ class PreparedFwd:
     block_table, k_descale, v_descale)`` allocates (out, lse) as ``prepare_fwd``'s were, does
     into them what ``attn_fwd`` with the prepared options does (with ``hopper``, the signature's
     ``HopperFwd``: the Hopper kernel when the call's part of its rule takes the call; else split
-    partials in a fresh workspace, then their merge) and returns them. ``calls`` counts its calls.
+    partials in a fresh workspace, then their merge: by the split launch itself, the plan's
+    ``merged``, where ``eager_counters`` gives counters, else by the combine launch) and returns them.
+    ``calls`` counts its calls.
 
-    ``checking``: the plan's kernel with the KV cache's value check folded in (``folds_cache_check``),
-    which a call with ``check_cache`` launches instead: the lengths' top is the cache's capacity and
-    there are no left pads (the ops layer's lane calls). Should the plans have been forgotten since,
-    such a call launches ``gpu.checks``' kernel before ``attn_fwd``, as the ops layer would."""
+    ``checking`` / ``merged_checking``: the plan's kernel / merged kernel with the KV cache's value
+    check folded in (``folds_cache_check``), which a call with ``check_cache`` launches instead: the
+    lengths' top is the cache's capacity and there are no left pads (the ops layer's lane calls).
+    Should the plans have been forgotten since, such a call launches ``gpu.checks``' kernel before
+    ``attn_fwd``, as the ops layer would."""
 
     __slots__ = ("plan", "tail", "options", "out_shape", "lse_shape", "lse_dtype", "hopper", "out_like_q", "generation",
-                 "calls", "checking", "folds_cache_check")
+                 "calls", "checking", "merged_checking", "folds_cache_check")
 
     def __init__(self, plan: A.FwdPlan, tail: tuple, options: dict, outputs: tuple, hopper: HopperFwd | None = None,
-                 out_like_q: bool = False, checking=None):
+                 out_like_q: bool = False, checking=None, merged_checking=None):
         self.plan, self.tail, self.options, self.generation, self.calls = plan, tail, options, A.generation, 0
         self.out_shape, self.lse_shape, self.lse_dtype = outputs
         self.hopper, self.out_like_q = hopper, out_like_q
-        self.checking, self.folds_cache_check = checking, checking is not None
+        self.checking, self.merged_checking, self.folds_cache_check = checking, merged_checking, checking is not None
 
     def __call__(self, q, k, v, alibi_slopes, learnable_sink, seqused_k, block_table, k_descale, v_descale,
                  check_cache: bool = False):
@@ -104,13 +114,19 @@ class PreparedFwd:
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
         elif plan.combine is None:
-            fwd(plan.grid, q, k, v, out, lse, alibi_slopes, learnable_sink, None, None, seqused_k, block_table,
-                k_descale, v_descale, *self.tail)
+            fwd(plan.grid, q, k, v, out, lse, None, None, None, alibi_slopes, learnable_sink, None, None, seqused_k,
+                block_table, k_descale, v_descale, *self.tail)
         else:
             o_parts, lse_parts = plan.new_workspace(q.device)
-            fwd(plan.grid, q, k, v, o_parts, lse_parts, alibi_slopes, learnable_sink, None, None, seqused_k,
-                block_table, k_descale, v_descale, *self.tail)
-            plan.combine(plan.combine_grid, o_parts, lse_parts, out, lse, learnable_sink, *plan.combine_ints)
+            counters = eager_counters(plan)
+            if counters is not None:  # one launch: its last split programs merge the splits
+                merged = self.merged_checking if check_cache else plan.merged
+                merged(plan.grid, q, k, v, o_parts, lse_parts, out, lse, counters, alibi_slopes, learnable_sink, None,
+                       None, seqused_k, block_table, k_descale, v_descale, *self.tail)
+            else:
+                fwd(plan.grid, q, k, v, o_parts, lse_parts, None, None, None, alibi_slopes, learnable_sink, None, None,
+                    seqused_k, block_table, k_descale, v_descale, *self.tail)
+                plan.combine(plan.combine_grid, o_parts, lse_parts, out, lse, learnable_sink, *plan.combine_ints)
         return out, lse
 
     def _check_apart(self, seqused_k, block_table, page_size: int) -> None:

@@ -22,7 +22,9 @@ masked loop walks all of ``[n_lo, n_hi)`` instead (the wide tile, below: a 512-w
 accumulator leaves no registers for the pipelines of a second loop, and the masks cost a few
 operations per score beside a 576-deep product). With ``SPLIT_KV`` the grid's axis 1 cuts
 ``[n_lo, n_hi)`` into ``num_splits`` contiguous pieces; each writes its partial, already
-normalised ``(o, lse)`` to fp32 workspaces that ``combine.py`` merges.
+normalised ``(o, lse)`` to fp32 workspaces that ``combine.py``'s ``merge_row`` merges: by the
+combine launch after this one, or with ``MERGE_SPLITS`` by the last of a row block's split
+programs to finish (below).
 
 ``HEAD_DIM_V`` is v's head dim (and the output's), which may differ from q/k's ``HEAD_DIM``
 (MLA). With ``HEAD_DIM_TAIL > 0`` q/k's head dim is ``HEAD_DIM + HEAD_DIM_TAIL``: a power-of-two
@@ -46,11 +48,11 @@ descales ``KDescale``/``VDescale``, contiguous (batch, nheads_k) fp32, real = st
 the tiles convert exactly to ``DOT_DTYPE``, k's descale joins the score scale and v's the
 output), ``HAS_SINK`` (a learnable sink logit per query head: without ``SPLIT_KV`` the recurrence
 starts from the sink's state m = log2(e) sink, l = 1, acc = 0, a key of value 0 every row sees;
-with it the combine merges the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
-``V_IS_K`` and ``SINGLE_LOOP`` (above), ``CHECK_CACHE`` (below). ``DOT_DTYPE`` is the operand dtype of the two matmuls:
-the inputs' dtype, except fp16 over an FP8 cache (q scaled into fp16's range, below) and bf16
-under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit patterns as integers; the
-launcher then asks for fp32.
+with it the merge of the splits counts the sink once), ``HEAD_DIM_TAIL`` / ``HEAD_DIM_TAIL_PAD``,
+``V_IS_K`` and ``SINGLE_LOOP`` (above), ``CHECK_CACHE`` and ``MERGE_SPLITS`` (below). ``DOT_DTYPE``
+is the operand dtype of the two matmuls: the inputs' dtype, except fp16 over an FP8 cache (q scaled
+into fp16's range, below) and bf16 under Triton 3.6's interpreter, whose tl.dot multiplies bf16 bit
+patterns as integers; the launcher then asks for fp32.
 
 ``CHECK_CACHE`` (with ``HAS_SEQUSED_K``; compiled with Triton's ``debug`` option and
 ``sanitize_overflow`` off, so its assertion is the only one) folds the KV cache's value check
@@ -61,13 +63,46 @@ it with the check kernel's message (``tl.device_assert``). A program that finds 
 no key even if the assertion returned (its tile ranges emptied). Without a left window every page
 in use is read by some program (the last query block's splits cover all key tiles), so the
 programs together check what the check kernel does; the launcher folds nothing else.
+
+``MERGE_SPLITS`` (with ``SPLIT_KV``; ``MERGE_ROWS`` rows, ``MERGE_BLOCK_S`` splits read at once, the
+loop over the rows unrolled ``MERGE_UNROLL`` times):
+after its partial's stores each split program counts itself in on ``Counters[pid]`` (int32, one
+per program along axis 0, zero before the launch); the one that finds ``num_splits - 1`` there
+arrived last, merges the row block's partials row by row with ``merge_row`` (the combine
+kernel's code, so the bits are the combine's), writes ``MergeOut``/``MergeLse`` (laid out as one
+split of the workspace: the same offsets without the split's) and sets the counter back to 0
+for the next launch on the buffer (stream order: that launch starts after this one ended).
+Memory order: every thread's partial stores must be visible to every thread of the last
+program. Each program: its stores, then a block barrier (``tl.debug_barrier``, bar.sync: the
+CTA's stores ordered before what follows it), then the counter's atomic, acq_rel at GPU scope,
+which Triton makes from one thread, a fenced atomic whose release is cumulative over the stores
+the barrier ordered before it. The last program: the same atomic's acquire (its result reaches
+the other threads through shared memory behind a barrier, and every merge load depends on it),
+then the loads, which therefore observe every split's stores (causality order: each split's
+stores -> its barrier -> its release -> the last program's acquire -> its barrier -> its loads;
+cooperative groups' grid sync is the same pattern: bar.sync, one thread's fenced atomic,
+bar.sync). The merge's loads are plain ``ld.global`` of a pointer the kernel also stores through
+(never the read-only path), and the acquire invalidates the SM's L1 (sm_90 SASS: BAR.SYNC,
+MEMBAR.ALL.GPU, ATOMG.E.ADD.STRONG.GPU, CCTL.IVALL, BAR.SYNC; docs/perf-notes.md). The programs
+of a row block all return early or none does (the test depends on ``pid`` alone), so a counter
+is either untouched or counted to ``num_splits`` and zeroed.
 """
 
 import triton
 import triton.language as tl
 
 from .checks import ASSERT_MESSAGE, sequence_reads_ok
+from .combine import merge_row
 from .common import LOG2E, dropout_keep, finish_rows, online_rescale, scores_log2
+
+
+@triton.jit
+def _row_coords(offs_m, h_grid, GROUP: tl.constexpr, PACK_GQA: tl.constexpr):
+    """(query position, query head) of rows ``offs_m`` of the program of head (or KV head group) ``h_grid``."""
+    if PACK_GQA:  # row r: query r // GROUP of head h_grid * GROUP + r % GROUP
+        return offs_m // GROUP, h_grid * GROUP + offs_m % GROUP
+    else:
+        return offs_m, tl.zeros_like(offs_m) + h_grid
 
 
 @triton.jit
@@ -173,7 +208,8 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, b_qt, k_base, v_base, tbl, stride_kpage,
                                "cache_top", "num_blocks", "window_left", "window_right", "diag_shift", "drop_bh0", "drop_bh_stride",
                                "drop_r0", "drop_c0", "dropout_seed", "dropout_threshold"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KDescale, VDescale,
+    Q, K, V, Out, Lse, MergeOut, MergeLse, Counters, Slopes, Sinks, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable,
+    KDescale, VDescale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -192,7 +228,8 @@ def _attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_TAIL: tl.constexpr = 0, HEAD_DIM_TAIL_PAD: tl.constexpr = 0,
     V_IS_K: tl.constexpr = False, SINGLE_LOOP: tl.constexpr = False, CHECK_CACHE: tl.constexpr = False,
-    CHECK_BLOCK_P: tl.constexpr = 128,
+    CHECK_BLOCK_P: tl.constexpr = 128, MERGE_SPLITS: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
+    MERGE_BLOCK_S: tl.constexpr = 1, MERGE_UNROLL: tl.constexpr = 1,
 ):
     """Grid: axis 0 = (batch, head or KV head if PACK_GQA, query block), axis 1 = KV split.
 
@@ -202,7 +239,9 @@ def _attn_fwd_kernel(
 
     ``Out``/``Lse`` are either the outputs (``stride_o_split = 0``) or, with ``SPLIT_KV``, fp32
     workspaces with one slice per split. Dense tensors index tokens as ``b * stride_b + i * stride_s``;
-    varlen tensors pass ``stride_b = 0`` and the sequence's start offset is added to ``i``.
+    varlen tensors pass ``stride_b = 0`` and the sequence's start offset is added to ``i``. With
+    ``MERGE_SPLITS``, ``MergeOut``/``MergeLse`` are the outputs (module docstring), else None as
+    ``Counters``.
     """
     num_m_blocks = tl.cdiv(max_rows, BLOCK_M)
     pid = tl.program_id(0)
@@ -231,15 +270,12 @@ def _attn_fwd_kernel(
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] row of this (sequence, head group)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    q_pos, head = _row_coords(offs_m, h_grid, GROUP, PACK_GQA)  # [BLOCK_M] query position and head of each row
     if PACK_GQA:
-        q_pos = offs_m // GROUP  # [BLOCK_M] query position inside the sequence
-        head = h_grid * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
         head_k = h_grid
         q_first = m_start // GROUP
         q_last = tl.minimum((m_start + BLOCK_M - 1) // GROUP, seqlen_q - 1)
     else:
-        q_pos = offs_m
-        head = tl.zeros([BLOCK_M], dtype=tl.int32) + h_grid
         head_k = h_grid // GROUP
         q_first = m_start
         q_last = tl.minimum(m_start + BLOCK_M - 1, seqlen_q - 1)
@@ -381,3 +417,18 @@ def _attn_fwd_kernel(
     tl.store(Out + o_rows[:, None] + offs_dv[None, :], b_o.to(Out.dtype.element_ty), mask=o_mask)
     l_rows = split * stride_l_split + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_ls
     tl.store(Lse + l_rows, lse, mask=row_ok)
+
+    if MERGE_SPLITS:  # the last split program of the row block merges its rows (module docstring)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            for r in tl.range(0, MERGE_ROWS, num_stages=1, loop_unroll_factor=MERGE_UNROLL):
+                r_pos, r_head = _row_coords(m_start + r, h_grid, GROUP, PACK_GQA)  # [] the row's query and head
+                r_tok = (q_start + r_pos).to(tl.int64)
+                r_head = r_head.to(tl.int64)
+                o_row = b64 * stride_ob + r_tok * stride_os + r_head * stride_oh
+                l_row = b64 * stride_lb + r_head * stride_lh + r_tok * stride_ls
+                merge_row(Out + o_row, Lse + l_row, MergeOut + o_row, MergeLse + l_row, Sinks, r_head,
+                          r_pos < seqlen_q, stride_o_split, stride_l_split, num_splits, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                          MERGE_BLOCK_S, HAS_SINK)
+            tl.store(Counters + pid, 0)

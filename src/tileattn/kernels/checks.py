@@ -26,7 +26,8 @@ such write stores the same value, so the order does not matter).
 The rule's parts are jit helpers (``length_out_of_range``, ``leftpad_out_of_range``,
 ``block_id_out_of_range``, and ``sequence_reads_ok`` for one sequence), written once: the forward
 kernel's ``CHECK_CACHE`` (``attn_fwd.py``) applies them to the values each of its programs is
-about to read, so an eager decoding call needs no launch of this kernel.
+about to read, and the append kernel's ``CHECK`` (``append.py``) to those each of its programs is
+about to write by, so an eager decoding call, appending or not, needs no launch of this kernel.
 """
 
 

@@ -31,10 +31,15 @@ All arguments are checked before anything is rotated or written (``tileattn.ops.
 a bad option leaves the cache untouched. The checks that read no tensor values run once per
 call signature (``tileattn.ops._memo``); those that read values run on every call. A kept
 signature's later calls on the Triton backend launch what its first call prepared
-(``_custom.prepare``), and one with nothing to derive per call (no append, rotary, row index,
-left pad, ALiBi, sinks or descales) does only its value check and that launch; on a GPU, where
-the check would be a kernel of its own, the launch's kernel does it (``PreparedFwd.folds_cache_check``:
-each program asserts the values it reads by before it reads a key).
+(``_custom.prepare``), and one with nothing to derive per call (no row index, left pad, ALiBi,
+sinks or descales; an append, rotated or not, whose q is rotated beside its keys: ``_lane_for``)
+does only its value check, the append's launch (``gpu.prepare_append``) and the attention's. On a
+GPU, where the check would be a kernel of its own, those launches' kernels do it
+(``FOLD_APPEND_CHECK``, ``PreparedFwd.folds_cache_check``): the append's programs assert the
+lengths and block ids they write by before they write, the attention's those they read by before
+they read a key. Programs of good sequences may have written their new keys before another
+program's assertion stops the append: inside the cache, and unobservable (a failed device
+assertion leaves the CUDA context unusable).
 
 ``v_cache`` (and ``v``) may have a head dim of its own, headdim_v (the output has it too); a
 ``v_cache`` that is a view of ``k_cache[..., :headdim_v]`` (MLA's absorbed latent cache, keys
@@ -91,21 +96,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     (softmax_scale, causal, softcap, rotary_interleaved, num_splits, return_softmax_lse), window_size,
                     kv=(1, 2))
     plan = _CHECKED.get(key)
-    if (plan is not None and plan.lane and k is None and rotary_cos is None and cache_batch_idx is None
-            and cache_leftpad is None and alibi_slopes is None and learnable_sink is None and k_descale is None
-            and cache_seqlens is not None):
-        # A kept signature with a lane and nothing to derive per call: its tensors' metadata passed
-        # the checks before, so the values' check and the launch are all that is left to do. A lane
-        # whose kernel checks the values itself (``folds_cache_check``) takes the device check's
-        # place: one launch fewer.
+    if plan is not None and plan.direct:
+        # A kept signature with a lane and nothing to derive per call (``_lane_for``): its tensors'
+        # metadata passed the checks before, so the values' check, the append and the attention
+        # launch are all that is left to do. Where the launches' kernels check the values themselves
+        # (``plan.fold``), they take the device check's place: one launch fewer.
         q = V.last_dim_contiguous(q)
-        if V.check_cache_values(cache_seqlens, 0, plan.capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                                kept=plan, folded=plan.fold):
-            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None,
+        folded = V.check_cache_values(cache_seqlens, plan.new_tokens, plan.capacity, block_table, k_cache.shape[1],
+                                      k_cache.shape[0], rotary_len=plan.rotary_len, rotary_reach=plan.rotary_reach,
+                                      kept=plan, folded=plan.fold)
+        seqused_k = cache_seqlens
+        if k is not None:
+            q, seqused_k = plan.appender.step(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
+                                              rotary_sin, q, folded)
+        if folded:
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, seqused_k, block_table, None, None,
                                  check_cache=True)
         else:
-            out, lse = plan.lane(q, k_cache, v_cache, None, None, cache_seqlens, block_table, None, None)
+            out, lse = plan.lane(q, k_cache, v_cache, None, None, seqused_k, block_table, None, None)
         return (out, lse) if return_softmax_lse else out
+    q_in = q
     if plan is None:
         plan = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                       softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
@@ -149,7 +159,47 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     num_splits=plan.num_splits, learnable_sink=sink, k_descale=k_descale,
                                     backend=plan.backend) or False
                 plan.fold = getattr(plan.lane, "folds_cache_check", False)
+                plan.direct = _lane_for(plan, q_in, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        block_table, rotary_interleaved, cache_batch_idx, cache_leftpad, alibi_slopes,
+                                        learnable_sink, k_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+# The KV cache's value check folded into an appending lane's two launches (the append's ``CHECK``,
+# the attention's ``CHECK_CACHE``) in place of a launch of its own before them, where the kernels
+# assert (CUDA tensors). False: those lanes launch the separate check, then the append (an A/B).
+FOLD_APPEND_CHECK = True
+
+
+def _lane_for(plan: "_Checked", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+              interleaved: bool, cache_batch_idx, cache_leftpad, alibi_slopes, learnable_sink, k_descale) -> bool:
+    """Whether a signature's later calls take the lane at the top of ``flash_attn_with_kvcache``
+    (arguments as the first call's, q before any rotation), with ``plan.appender`` and ``plan.fold``
+    set for it: the rule, in one place. The lane needs the signature's prepared attention
+    (``plan.lane``), a cache_seqlens tensor and no row index, left pad, ALiBi, sinks or descales
+    (derived per call); an append needs the Triton backend's prepared append, a new token at least,
+    v as wide as k, q rotated in the append's kernel (as many query tokens as new keys) and nothing
+    to copy per call (unit last strides). ``plan.fold``: the attention's kernel checks what it reads
+    (``PreparedFwd.folds_cache_check``) and, with an append, ``FOLD_APPEND_CHECK`` and the append's
+    kernel checks what it writes (``AppendPlan.checking``): together the rule of
+    ``_validate.check_cache_values``, rotary tables included (the append reads their rows, and only
+    its tokens' positions)."""
+    if (not plan.lane or cache_seqlens is None or cache_batch_idx is not None or cache_leftpad is not None
+            or alibi_slopes is not None or learnable_sink is not None or k_descale is not None):
+        return False
+    if k is None:  # (rotary tables come with new keys only: check_rotary)
+        return True
+    prepare_append = getattr(plan.backend, "prepare_append", None)
+    if (prepare_append is None or k.shape[1] == 0 or v.shape[-1] != k.shape[-1]
+            or rotary_cos is not None and q.shape[1] != k.shape[1]
+            or any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache))):
+        return False
+    rotated = rotary_cos is not None
+    plan.appender = prepare_append(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos=rotary_cos,
+                                   rotary_sin=rotary_sin, interleaved=interleaved, q=q if rotated else None,
+                                   q_per_token=plan.per_token_q, seqused_out=cache_seqlens)
+    plan.fold = plan.fold and FOLD_APPEND_CHECK and plan.appender.checking is not None
+    return True
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,7 +216,9 @@ class _Checked:
     backend: object  # the module backend_for(q.device) returns
     lane: object = False  # the signature's prepared launch (``_custom.prepare``), None: not yet asked
     device_check: object = None  # the value check's launch, once made (``_validate.check_cache_values``)
-    fold: bool = False  # the lane's kernel can check the cache's values itself (``PreparedFwd.folds_cache_check``)
+    fold: bool = False  # the lane's kernels can check the cache's values themselves (``_lane_for``)
+    direct: bool = False  # later calls take the lane at the top of flash_attn_with_kvcache (``_lane_for``)
+    appender: object = None  # with an append, that lane's prepared append (``gpu.prepare_append``)
     pitch: int | None = None  # with cache_leftpad: the cache rows' token pitch (``check_leftpad``)
 
 
