@@ -607,3 +607,18 @@ def test_interpreting_is_what_the_kernels_are(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert _tuning.interpreting() is expected
     assert expected == (not torch.cuda.is_available())  # conftest: the interpreter where there is no GPU
+
+
+def test_a_launch_names_every_constexpr():
+    """``launch_for`` refuses constexprs left to their defaults: ``_through_triton`` would keep no such
+    launch, and each of its calls would go through Triton's launch path (a constexpr added with a
+    default that one launcher did not pass did this to every plain forward launch once)."""
+    from tileattn.gpu import combine
+    from tileattn.kernels.combine import _combine_kernel
+
+    key = ((torch.float32,) * 4 + (None,), ())
+    full = dict(HEAD_DIM=32, HEAD_DIM_PAD=32, BLOCK_S=2, HAS_SINK=False, SKIP_MARKED=False)
+    assert L.launch_for(_combine_kernel, full, dict(num_warps=combine.COMBINE_NUM_WARPS), key) is not None
+    partial = {k: v for k, v in full.items() if k != "SKIP_MARKED"}  # the kernel's default, False
+    with pytest.raises(AssertionError, match="SKIP_MARKED"):
+        L.launch_for(_combine_kernel, partial, dict(num_warps=combine.COMBINE_NUM_WARPS), key)

@@ -107,8 +107,20 @@ def launch_for(fn, constexprs: dict, options: dict, signature: tuple) -> "Launch
     key = (fn, tuple(sorted(constexprs.items())), tuple(sorted(options.items())), signature)
     launch = _LAUNCHES.get(key)
     if launch is None:
+        # every constexpr named, defaults included: ``_through_triton`` keeps no launch that leaves one
+        # to its default, and every call of such a launch would take Triton's path
+        missing = [name for name in _constexpr_names(fn) if name not in constexprs]
+        assert not missing, f"{fn.__name__}: constexprs not given: {missing}"
         launch = _LAUNCHES[key] = Launch(fn, constexprs, options)
     return launch
+
+
+def _constexpr_names(fn) -> list[str]:
+    """The constexpr parameters of a jitted kernel, or of the function Triton's interpreter wraps."""
+    if hasattr(fn, "params"):
+        return [p.name for p in fn.params if p.is_constexpr]
+    annotations = getattr(getattr(fn, "fn", None), "__annotations__", {})
+    return [name for name, kind in annotations.items() if "constexpr" in str(kind)]
 
 
 def cdiv(a: int, b: int) -> int:
