@@ -3,11 +3,11 @@ matmuls' operand dtype and precision, the softcap's form of tanh, the shared mem
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .._env import getenv
 
 SMEM_LIMIT = 227 * 1024  # shared memory one block may use on Hopper (sm_90)
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -83,7 +83,7 @@ def autotune_enabled() -> bool:
     For quick correctness runs on a GPU, where timing every config of every new shape class
     would dominate; the benchmarks autotune and check their outputs.
     """
-    return os.environ.get("TILEATTN_AUTOTUNE", "1") not in ("0", "false", "no")
+    return getenv("TILEATTN_AUTOTUNE", "1") not in ("0", "false", "no")
 
 
 def length_bucket(*seqlens: int) -> int:

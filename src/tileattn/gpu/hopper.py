@@ -35,10 +35,10 @@ each consumer thread gets ``CONSUMER_REGS`` (2 x 128 x 240 + 128 x 24 <= 168 x 3
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .._env import getenv
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
 from ._launch import arg_classes, cdiv, launch_for
@@ -93,7 +93,7 @@ _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def hopper_enabled() -> bool:
-    return os.environ.get("TILEATTN_HOPPER", "1") not in ("0", "false", "no")
+    return getenv("TILEATTN_HOPPER", "1") not in ("0", "false", "no")
 
 
 @functools.lru_cache(maxsize=None)

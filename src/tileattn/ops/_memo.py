@@ -30,10 +30,10 @@ tangent and the Triton one none).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.autograd.forward_ad as _forward_ad
+
+from .._env import getenv
 
 __all__ = ["Memo", "signature"]
 
@@ -50,7 +50,7 @@ def signature(tensors: tuple, options: tuple, window_size, kv: tuple[int, int] |
             or type(window_size[0]) is not int or type(window_size[1]) is not int
             or torch.compiler.is_compiling() or getattr(_forward_ad, "_current_level", -1) >= 0):
         return None
-    key = [os.environ.get("TILEATTN_BACKEND", ""), torch.is_grad_enabled(), options, kinds, window_size]
+    key = [getenv("TILEATTN_BACKEND", ""), torch.is_grad_enabled(), options, kinds, window_size]
     for t in tensors:
         if t is None:
             key.append(None)

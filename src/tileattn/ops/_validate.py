@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 import numpy as np
 import torch
 
+from .._env import getenv
 from ..contract import AttnParams
 from .backend import backend_name
 from .fp8 import FP8_DTYPE, is_fp8
@@ -572,7 +572,7 @@ def value_mode(t: torch.Tensor) -> str | None:
         return "host"
     if torch.cuda.is_current_stream_capturing():
         return None
-    flag = os.environ.get(DEBUG_ENV, "")
+    flag = getenv(DEBUG_ENV, "")
     return "host" if flag == "1" else None if flag == "0" else "device"
 
 

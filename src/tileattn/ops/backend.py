@@ -12,9 +12,9 @@ interpreter); ``TILEATTN_BACKEND=cpu`` forces the torch tiles; unset, the device
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .._env import getenv
 
 __all__ = ["backend_for", "backend_name"]
 
@@ -22,7 +22,7 @@ __all__ = ["backend_for", "backend_name"]
 def backend_name(device: torch.device) -> str:
     """'triton' or 'cpu' for tensors on ``device`` (see the module docstring). The variable is
     read on every call; the answer for each (value, device type) is kept once it is valid."""
-    raw = os.environ.get("TILEATTN_BACKEND", "")
+    raw = getenv("TILEATTN_BACKEND", "")
     name = _NAMES.get((raw, device.type))
     if name is None:
         name = _NAMES[(raw, device.type)] = _backend_name(raw, device)
