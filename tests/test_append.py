@@ -276,3 +276,23 @@ def test_an_append_program_that_finds_a_bad_value_writes_nothing(device_checks, 
     else:
         want[0, 3:5] = good_cache[0, 3:5]
     assert torch.equal(bad_cache, want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_appending_lane_bumps_the_caches_versions(monkeypatch, paged):
+    """Every appending call tells autograd that it wrote the caches (their version counters), the
+    kept signature's lane as its first call: a tensor saved for a backward that shares a cache's
+    storage must fail that backward after any append, not only after the first."""
+    from tileattn.ops import kvcache as kv_ops
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    kv_ops._CHECKED.clear()
+    call, (cache, _), good, _ = _appending_call(paged, True, torch.Generator().manual_seed(97))
+    k_cache = cache.clone()
+    v_cache = cache.clone()
+    for _ in range(3):
+        versions = k_cache._version, v_cache._version
+        call(good, caches=(k_cache, v_cache))
+        assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    (plan,) = kv_ops._CHECKED.entries.values()
+    assert plan.direct

@@ -30,3 +30,14 @@ def test_a_switch_changed_between_calls_takes_effect(monkeypatch):
     assert backend_name(torch.device("cpu")) == "cpu"
     monkeypatch.setenv("TILEATTN_BACKEND", "triton")
     assert backend_name(torch.device("cpu")) == "triton"
+
+
+def test_getenv_follows_a_replaced_os_environ(monkeypatch):
+    """``os.environ`` replaced by another mapping (``mock.patch("os.environ", {...})``,
+    ``monkeypatch.setattr(os, "environ", ...)``): ``getenv`` reads that mapping, as ``os.environ.get`` does."""
+    name = "TILEATTN_TEST_ENV_VARIABLE"
+    monkeypatch.setenv(name, "outer")
+    monkeypatch.setattr(os, "environ", {name: "replaced"})
+    assert getenv(name, "unset") == os.environ.get(name, "unset") == "replaced"
+    monkeypatch.setattr(os, "environ", {})
+    assert getenv(name, "unset") == os.environ.get(name, "unset") == "unset"

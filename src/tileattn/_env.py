@@ -17,7 +17,8 @@ import sys
 
 __all__ = ["getenv"]
 
-_DATA = getattr(os.environ, "_data", None)
+_ENVIRON = os.environ  # the mapping whose ``_data`` is read: another one put in its place is read by its ``get``
+_DATA = getattr(_ENVIRON, "_data", None)
 _FAST = isinstance(_DATA, dict) and os.name == "posix" and all(type(k) is bytes for k in list(_DATA)[:8])
 _ENCODING = sys.getfilesystemencoding()
 _KEYS: dict[str, bytes] = {}
@@ -25,7 +26,7 @@ _KEYS: dict[str, bytes] = {}
 
 def getenv(name: str, default: str) -> str:
     """``os.environ.get(name, default)``."""
-    if not _FAST:
+    if not _FAST or os.environ is not _ENVIRON:
         return os.environ.get(name, default)
     key = _KEYS.get(name)
     if key is None:

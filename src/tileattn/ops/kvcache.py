@@ -109,6 +109,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             q, seqused_k = plan.appender.step(k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
                                               rotary_sin, q, folded)
+            increment_version(k_cache)  # written through data pointers: as ``_append`` tells autograd
+            increment_version(v_cache)
         if folded:
             out, lse = plan.lane(q, k_cache, v_cache, None, None, seqused_k, block_table, None, None,
                                  check_cache=True)
