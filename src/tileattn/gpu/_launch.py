@@ -41,6 +41,13 @@ __all__ = ["Launch", "arg_classes", "cdiv", "config_options", "contiguous_stride
            "next_power_of_2"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def index_offsets_fit_int32(t: torch.Tensor, dim: int, count: int) -> bool:
+    """Whether a kernel that computes ``i * t.stride(dim)`` in int32 for indices ``i < count`` (a head
+    index, a tile's row) stays in range: a contiguous tensor's heads do, the heads of a view that
+    lie 2**31 elements apart or more (heads first, transposed) do not."""
+    return t.stride(dim) * max(count - 1, 0) <= _I32_MAX
 _ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 

@@ -13,7 +13,8 @@ import triton
 
 from ..dropout_mask import keep_threshold
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess
-from ._launch import cdiv, config_options, contiguous_strides, int_class, launch_for, next_power_of_2, plan_for
+from ._launch import (cdiv, config_options, contiguous_strides, index_offsets_fit_int32, int_class, launch_for,
+                      next_power_of_2, plan_for)
 from ._tuning import SMEM_LIMIT, Tuned, autotune_enabled, dot_types, interpreting, length_bucket, softcap_form
 from .hopper import call_reason
 from .hopper_bwd import HopperBwd, bwd_signature_reason, hopper_attn_bwd, hopper_bwd_reason
@@ -151,7 +152,6 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, params, alibi_slopes=None,
              learnable_sink, dsink)
 
 
-_I32_LIMIT = 2**31
 _MAX_TILE_ROWS = 256  # no tile of the backward (portable or Gluon) has more rows
 
 
@@ -162,7 +162,7 @@ def offsets_fit_int32(t: torch.Tensor, packed: bool) -> bool:
     contiguous tensor fits; a view whose heads lie 2**31 elements apart or more (heads first,
     (B, H, S, D).transpose(1, 2) with H * S * D >= 2**31 per batch) does not."""
     row, head = (0, 1) if packed else (1, 2)
-    return t.stride(head) * max(t.shape[head] - 1, 0) < _I32_LIMIT and t.stride(row) * _MAX_TILE_ROWS < _I32_LIMIT
+    return index_offsets_fit_int32(t, head, t.shape[head]) and index_offsets_fit_int32(t, row, _MAX_TILE_ROWS)
 
 
 def _bwd_on_copies(dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:

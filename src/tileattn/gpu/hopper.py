@@ -41,7 +41,7 @@ import torch
 from .._env import getenv
 from ..kernels.common import LOG2E
 from ..contract import AttnParams
-from ._launch import arg_classes, cdiv, launch_for
+from ._launch import arg_classes, cdiv, index_offsets_fit_int32, launch_for
 from ._tuning import interpreting
 
 __all__ = ["hopper_fwd_reason", "fwd_signature_reason", "call_reason", "hopper_attn_fwd", "HopperFwd", "GluonLaunch",
@@ -225,9 +225,6 @@ def _fwd_operands_reason(q, k, v, params: AttnParams, alibi_slopes, varlen: bool
     return options_reason(params, alibi_slopes) or _strides_reason(q, k, v)
 
 
-_I32_LIMIT = 2**31
-
-
 def _outputs_reason(q, out, lse) -> str | None:
     """Why the Gluon forward cannot write ``out`` (B, S, H, Dv) or packed (T, H, Dv) and ``lse`` (B, H, S)
     or packed (H, T), or None. Its register store and its lse store (kernels/attn_fwd_hopper.py,
@@ -238,7 +235,7 @@ def _outputs_reason(q, out, lse) -> str | None:
     call whose ``out`` is not 16-byte aligned, so the rule asks it of every ``out``."""
     heads = q.shape[-2]
     for t in (out, lse):
-        if t is not None and t.dim() >= 2 and t.stride(-2) * max(heads - 1, 0) >= _I32_LIMIT:
+        if t is not None and t.dim() >= 2 and not index_offsets_fit_int32(t, -2, heads):
             return "output head offsets past int32"
     return None
 

@@ -113,20 +113,22 @@ class PreparedFwd:
                 self._check_apart(seqused_k, block_table, k.shape[1])
             A.attn_fwd(q, k, v, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused_k, block_table=block_table,
                        learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale, **self.options)
-        elif plan.combine is None:
-            fwd(plan.grid, q, k, v, out, lse, None, None, None, alibi_slopes, learnable_sink, None, None, seqused_k,
-                block_table, k_descale, v_descale, *self.tail)
         else:
-            o_parts, lse_parts = plan.new_workspace(q.device)
-            counters = eager_counters(plan)
-            if counters is not None:  # one launch: its last split programs merge the splits
-                merged = self.merged_checking if check_cache else plan.merged
-                merged(plan.grid, q, k, v, o_parts, lse_parts, out, lse, counters, alibi_slopes, learnable_sink, None,
-                       None, seqused_k, block_table, k_descale, v_descale, *self.tail)
-            else:
-                fwd(plan.grid, q, k, v, o_parts, lse_parts, None, None, None, alibi_slopes, learnable_sink, None, None,
-                    seqused_k, block_table, k_descale, v_descale, *self.tail)
-                plan.combine(plan.combine_grid, o_parts, lse_parts, out, lse, learnable_sink, *plan.combine_ints)
+            # the kernel writes out/lse, or split partials that its own last programs merge into them
+            # (``merged``: MergeOut, MergeLse, Counters) or the combine launch after it
+            dst, merge, combine = (out, lse), (None, None, None), None
+            if plan.combine is not None:
+                dst = plan.new_workspace(q.device)
+                counters = eager_counters(plan)
+                if counters is not None:  # one launch: its last split programs merge the splits
+                    fwd = self.merged_checking if check_cache else plan.merged
+                    merge = (out, lse, counters)
+                else:
+                    combine = plan.combine
+            fwd(plan.grid, q, k, v, *dst, *merge, alibi_slopes, learnable_sink, None, None, seqused_k, block_table,
+                k_descale, v_descale, *self.tail)
+            if combine is not None:
+                combine(plan.combine_grid, *dst, out, lse, learnable_sink, *plan.combine_ints)
         return out, lse
 
     def _check_apart(self, seqused_k, block_table, page_size: int) -> None:

@@ -69,7 +69,7 @@ loop over the rows unrolled ``MERGE_UNROLL`` times):
 after its partial's stores each split program counts itself in on ``Counters[pid]`` (int32, one
 per program along axis 0, zero before the launch); the one that finds ``num_splits - 1`` there
 arrived last, merges the row block's partials row by row with ``merge_row`` (the combine
-kernel's code, so the bits are the combine's), writes ``MergeOut``/``MergeLse`` (laid out as one
+kernel's code: the same result to rounding, ``combine.py``), writes ``MergeOut``/``MergeLse`` (laid out as one
 split of the workspace: the same offsets without the split's) and sets the counter back to 0
 for the next launch on the buffer (stream order: that launch starts after this one ended).
 Memory order: every thread's partial stores must be visible to every thread of the last
