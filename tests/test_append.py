@@ -107,22 +107,23 @@ def test_nothing_new_leaves_the_cache_and_reports_the_lengths():
 # ------------------------------------------------------------------ the check folded into the appending lane
 
 
-def _appending_call(paged: bool, rotary: bool, gen):
+def _appending_call(paged: bool, rotary: bool, gen, device: str = "cpu"):
     """(call(lens, table=None, caches=None), caches, good lengths, good table) of one appending
-    signature on CPU tensors: batch 2, two new tokens, a capacity of 12 (contiguous, or 3 pages of 4
-    from a pool of 9), rotary tables of 11 rows (one fewer than the capacity) when ``rotary``."""
-    q = torch.randn(2, 2, 4, 16, generator=gen)
-    new = torch.randn(2, 2, 2, 16, generator=gen)
-    cache = torch.randn(9, 4, 2, 16, generator=gen) if paged else torch.randn(2, 12, 2, 16, generator=gen)
-    table = torch.tensor([[3, 1, 0], [2, 5, 8]], dtype=torch.int32) if paged else None
+    signature on ``device`` (CPU tensors, which the interpreter runs, unless told): batch 2, two new
+    tokens, a capacity of 12 (contiguous, or 3 pages of 4 from a pool of 9), rotary tables of 11 rows
+    (one fewer than the capacity) when ``rotary``."""
+    q = torch.randn(2, 2, 4, 16, generator=gen).to(device)
+    new = torch.randn(2, 2, 2, 16, generator=gen).to(device)
+    cache = (torch.randn(9, 4, 2, 16, generator=gen) if paged else torch.randn(2, 12, 2, 16, generator=gen)).to(device)
+    table = torch.tensor([[3, 1, 0], [2, 5, 8]], dtype=torch.int32, device=device) if paged else None
     angles = torch.rand(11, 4, generator=gen) * 6.3
-    rope = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin()) if rotary else {}
+    rope = dict(rotary_cos=angles.cos().to(device), rotary_sin=angles.sin().to(device)) if rotary else {}
 
     def call(lens, tbl=table, caches=None):
         k_cache, v_cache = caches or (cache, cache)
         return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, **rope, causal=True,
-                                                cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=tbl,
-                                                return_softmax_lse=True)
+                                                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+                                                block_table=tbl, return_softmax_lse=True)
 
     return call, (cache, cache), [3, 7], table
 
@@ -287,7 +288,7 @@ def test_the_appending_lane_bumps_the_caches_versions(monkeypatch, paged):
 
     monkeypatch.setenv("TILEATTN_BACKEND", "triton")
     kv_ops._CHECKED.clear()
-    call, (cache, _), good, _ = _appending_call(paged, True, torch.Generator().manual_seed(97))
+    call, (cache, _), good, _ = _appending_call(paged, True, torch.Generator().manual_seed(97), DEVICE)
     k_cache = cache.clone()
     v_cache = cache.clone()
     for _ in range(3):

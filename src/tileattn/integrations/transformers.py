@@ -70,6 +70,10 @@ __all__ = ["NAME", "register", "tileattn_attention_forward", "tileattn_mask"]
 
 NAME = "tileattn"
 _NOT_FILLED = -1  # a static cache's key slot past the tokens seen so far (tileattn_mask's int8 form)
+# transformers' bidirectional mask function (an encoder's or a cross-attention's mask), looked up by
+# register(): an import inside tileattn_mask breaks torch.compile's graph (dynamo refuses transformers'
+# lazy module as an import result)
+_BIDIRECTIONAL = None
 
 
 MIN_TRANSFORMERS = (5, 4)  # the mask function's q_length / q_offset arguments (5.0-5.3: cache_position)
@@ -90,6 +94,10 @@ def register() -> None:
         raise ImportError(f"tileattn's transformers integration needs transformers {need} or later (its mask "
                           f"functions take q_length / q_offset), found {transformers.__version__}: "
                           f"pip install 'transformers>={need}'")
+    global _BIDIRECTIONAL
+    from transformers import masking_utils
+
+    _BIDIRECTIONAL = getattr(masking_utils, "bidirectional_mask_function", None)
     AttentionInterface.register(NAME, tileattn_attention_forward)
     AttentionMaskInterface.register(NAME, tileattn_mask)
 
@@ -139,10 +147,7 @@ def _bidirectional(mask_function) -> bool:
     """Whether transformers asks for a bidirectional mask (an encoder's self-attention or a
     decoder's cross-attention): its keys are not the tokens seen so far followed by the queries,
     so the mask alone tells which are real (the decoder may have fewer or more queries)."""
-    from transformers import masking_utils
-
-    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)
-    return bidirectional is not None and mask_function is bidirectional
+    return _BIDIRECTIONAL is not None and mask_function is _BIDIRECTIONAL
 
 
 def tileattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
