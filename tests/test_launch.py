@@ -622,3 +622,36 @@ def test_a_launch_names_every_constexpr():
     partial = {k: v for k, v in full.items() if k != "SKIP_MARKED"}  # the kernel's default, False
     with pytest.raises(AssertionError, match="SKIP_MARKED"):
         L.launch_for(_combine_kernel, partial, dict(num_warps=combine.COMBINE_NUM_WARPS), key)
+
+
+def test_each_gpu_of_the_process_gets_its_own_kept_handle(jit, monkeypatch):
+    """A kept launch called on another GPU goes through Triton once there (which loads the kernel on
+    that GPU), then launches directly with that GPU's handle; each GPU keeps launching its own. A
+    call Triton compiles differently (an unaligned pointer) is not kept as a GPU's handle."""
+    handles = iter(["device 0", "device 1, unaligned", "device 1"])  # the handles Triton's calls return, in turn
+
+    def run(grid):
+        def compiled(*args, **meta):
+            jit.slow.append((grid, args, meta))
+            kernel = _Compiled(jit.fast)
+            kernel.function = next(handles)
+            return kernel
+        return compiled
+
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: run(grid))
+    device = [0]
+    monkeypatch.setattr(L, "_current_device", lambda: device[0])
+    launch = L.Launch(jit, {"BLOCK": 16}, {})
+    buf = torch.zeros(64)
+    x, y = buf[:8], buf[8:16]
+    launch(G, x, y, 5, 3)  # device 0: kept
+    device[0] = 1
+    launch(G, buf[1:9], y, 5, 3)  # unaligned: through Triton, not kept for device 1
+    assert len(jit.slow) == 2 and launch.elsewhere == {}
+    launch(G, x, y, 5, 3)  # device 1's first vouched call: through Triton, kept
+    launch(G, x, y, 5, 4)
+    device[0] = 0
+    launch(G, x, y, 5, 5)
+    assert len(jit.slow) == 3 and launch.fast_calls == 2
+    assert [call[4] for call in jit.fast] == ["device 1", "device 0"]
+    assert [call[12] for call in jit.fast] == [4, 5]

@@ -16,8 +16,10 @@ signature names the dtype (or absence) of every tensor argument and how Triton c
 integer argument the caller keeps fixed (``int_class``); the integers a caller varies from
 call to call must be ones the kernel does not specialise (``do_not_specialize``). Per call
 ``Launch`` checks the rest: the pointers' 16-byte alignment, the i32 range of those
-unspecialised integers, the current device, and that no profiler hook is installed
-(``knobs.runtime.launch_enter_hook``). Anything else goes through Triton as before. Under
+unspecialised integers, and that no profiler hook is installed (``knobs.runtime.launch_enter_hook``),
+and takes the kernel's handle for the current device: the first call on each further GPU of the
+process goes through Triton, which loads the kernel there, and its handle is kept beside the first
+(``Launch.elsewhere``). Anything else goes through Triton as before. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel and every call takes Triton's path.
 
 A kernel that takes TMA descriptors (the Gluon kernels) has a Python wrapper between
@@ -192,8 +194,8 @@ class Launch:
     that skipped Triton's path.
     """
 
-    __slots__ = ("fn", "constexprs", "options", "compiled", "device", "tail", "ptr_slots", "wide_slots",
-                 "descs", "direct", "fill", "fast_calls")
+    __slots__ = ("fn", "constexprs", "options", "compiled", "device", "elsewhere", "tail", "ptr_slots",
+                 "wide_slots", "descs", "direct", "fill", "fast_calls")
 
     def __init__(self, fn, constexprs: dict, options: dict):
         self.fn = fn
@@ -201,6 +203,7 @@ class Launch:
         self.options = options
         self.compiled: CompiledKernel | None = None
         self.device = -1
+        self.elsewhere: dict[int, CompiledKernel] = {}  # the same kernel loaded on the process's other GPUs
         self.tail: tuple = ()
         self.ptr_slots: tuple[int, ...] = ()
         self.wide_slots: tuple[int, ...] = ()
@@ -221,8 +224,12 @@ class Launch:
         if compiled is None or _ENTER_HOOKS.calls or _EXIT_HOOKS.calls:
             return False
         device = _current_device()
+        if device != self.device:  # another GPU: its own handle of the kernel, once Triton has loaded it there
+            compiled = self.elsewhere.get(device)
+            if compiled is None:
+                return False
         raw = list(args)
-        align = device != self.device  # any bit set: take Triton's path
+        align = 0  # any bit set: take Triton's path
         for i in self.ptr_slots:
             raw[i] = ptr = args[i].data_ptr()
             align |= ptr
@@ -248,6 +255,17 @@ class Launch:
         self.fast_calls += 1
         return True
 
+    def _vouched(self, args) -> bool:
+        """Whether the fast path may launch this call (as ``launched`` checks it): every pointer and
+        descriptor base 16-byte aligned, every unspecialised int in i32; so that Triton compiled the
+        call as the kept kernel's specialisation."""
+        align = 0
+        for i in self.ptr_slots:
+            align |= args[i].data_ptr()
+        for desc in self.descs:
+            align |= args[desc[0]].base.data_ptr()
+        return not align & 15 and all(_I32_MIN <= args[i] <= _I32_MAX for i in self.wide_slots)
+
     def encode(self, args) -> tuple:
         """Each TMA descriptor of ``args`` (at ``descs``' positions) as the C launcher takes it, in
         ``descs``' order: (CUtensorMap, *shape, *strides). What a CUtensorMap holds besides the
@@ -260,8 +278,14 @@ class Launch:
         """Launch through ``JITFunction.run``; keep the compiled kernel when the call is one the
         fast path may repeat (every pointer 16-byte aligned, every unspecialised int in i32)."""
         compiled = self.fn[grid](*args, **self.constexprs, **self.options)
-        if self.compiled is not None or not isinstance(compiled, CompiledKernel):
-            return  # the interpreter, or already kept
+        if not isinstance(compiled, CompiledKernel):
+            return  # the interpreter
+        if self.compiled is not None:  # kept: on another GPU, keep that GPU's handle of the same kernel
+            device = _current_device()
+            if device != self.device and device not in self.elsewhere and self._vouched(args):
+                compiled.run  # noqa: B018 (loads the module and function handles on this GPU now)
+                self.elsewhere[device] = compiled
+            return
         params = self.fn.params
         runtime = [p for p in params if not p.is_constexpr]
         if len(runtime) != len(args) or any(p.is_constexpr for p in params[:len(runtime)]):
