@@ -271,6 +271,38 @@ def launches_made() -> int:
     return sum(launch.fast_calls for table in (L._LAUNCHES, C._LAUNCHES) for launch in table.values())
 
 
+def stand_in_launches():
+    """Launch the forward and combine kernels through the stand-in driver (one config, no
+    autotuning: nothing to time on a stand-in kernel). Returns the forward's real JITFunction."""
+    driver.set_active(_Driver())
+    L._current_device = lambda: 0
+    L._current_stream = lambda device: 0
+    os.environ["TILEATTN_AUTOTUNE"] = "0"
+    real = A._attn_fwd_kernel
+    A._attn_fwd_kernel, CB._combine_kernel = _Kernels(real), _Kernels(CB._combine_kernel)
+    return real
+
+
+def as_on_a_gpu() -> None:
+    """Whole eager calls as on a GPU: the Triton backend, value checks on the device (the cache
+    check and the append stand-ins too, asserting in their kernels); the other asynchronous
+    assertions made on a true flag, since stand-in kernels write nothing."""
+    os.environ["TILEATTN_BACKEND"] = "triton"
+    C._cache_check_kernel, KV._append_kv_kernel = _Kernels(C._cache_check_kernel), _Kernels(KV._append_kv_kernel)
+    _validate.value_mode = lambda t: "device"
+    _validate.kernel_asserts = lambda t: True  # kernels keep their device assertions, as compiled for a GPU
+
+    class Asserting(C.CacheCheck):  # the cache check as on a GPU: asserting in its kernel, no flag
+        __slots__ = ()
+
+        def __init__(self, *args, asserting=False):
+            super().__init__(*args, asserting=True)
+
+    C.CacheCheck = Asserting
+    true = torch.ones(1, dtype=torch.bool)
+    _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
@@ -284,12 +316,7 @@ def main():
         CLOCK = time.process_time
     if not args.glibc_default:
         keep_freed_memory()
-    driver.set_active(_Driver())
-    L._current_device = lambda: 0
-    L._current_stream = lambda device: 0
-    os.environ["TILEATTN_AUTOTUNE"] = "0"  # one config: nothing to time on a stand-in kernel
-    real = A._attn_fwd_kernel
-    A._attn_fwd_kernel, CB._combine_kernel = _Kernels(real), _Kernels(CB._combine_kernel)
+    real = stand_in_launches()
     params = AttnParams(128**-0.5)
     print(f"{'case':24s} {'triton launch':>14s} {'direct launch':>14s} {'attn_fwd':>10s}   (µs per call, median)")
     for name, tensors, opts in cases():
@@ -306,21 +333,7 @@ def main():
         call_us = median_us(lambda: A.attn_fwd(*tensors, params=params, **opts), args.calls, args.repeat)
         assert plan.fwd.fast_calls > 0, "the direct launch was not taken"
         print(f"{name:24s} {triton_us:14.1f} {direct_us:14.1f} {call_us:10.1f}")
-    # the whole eager call, as on a GPU: the Triton backend, value checks on the device
-    os.environ["TILEATTN_BACKEND"] = "triton"
-    C._cache_check_kernel, KV._append_kv_kernel = _Kernels(C._cache_check_kernel), _Kernels(KV._append_kv_kernel)
-    _validate.value_mode = lambda t: "device"
-    _validate.kernel_asserts = lambda t: True  # kernels keep their device assertions, as compiled for a GPU
-
-    class Asserting(C.CacheCheck):  # the cache check as on a GPU: asserting in its kernel, no flag
-        __slots__ = ()
-
-        def __init__(self, *args, asserting=False):
-            super().__init__(*args, asserting=True)
-
-    C.CacheCheck = Asserting
-    true = torch.ones(1, dtype=torch.bool)
-    _validate.assert_on_device = lambda ok, what: torch._assert_async(true)
+    as_on_a_gpu()
     print(f"\n{'whole eager call':44s} {'µs per call, median':>20s}   launches per call")
     for name, call in whole_calls():
         call(), call()  # the signature's first call checks and prepares, its second keeps its launches

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,15 @@ def test_ring_benchmark_runs_two_gloo_ranks(layout):
     assert checks and all(err <= FP32_AGREEMENT for err in checks), proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith(("128", "256"))]
     assert rows, proc.stdout
+
+
+def test_generate_host_times_a_decoding_step_on_the_decoding_route():
+    """generate_host.py times generate()'s decoding steps through the stand-in: every layer of every
+    step runs a DecodePlan (the decoding route), and the steps after the first carry their plan on
+    (fewer than one made anew per step)."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "generate_host.py"), "--steps", "4", "--sweeps", "1",
+                           "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    us, made, runs = re.search(r"([\d.]+) µs per step.*?([\d.]+) DecodePlans made anew, ([\d.]+) plan runs",
+                               proc.stdout).groups()
+    assert float(us) > 0 and float(made) < 1 and float(runs) == 2, proc.stdout

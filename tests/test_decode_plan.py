@@ -7,6 +7,7 @@ import torch
 
 import tileattn
 from graphs import captured
+from tileattn.ops import _validate as V
 
 
 def _layers(gen, n_layers, batch, cap, paged, device, dtype=torch.float16):
@@ -145,6 +146,82 @@ def test_plan_with_cache_leftpad_runs_each_layer_as_flash_attn_with_kvcache(devi
     else:
         with pytest.raises(ValueError, match="without learnable_sink"):
             plan.run(q, k_cache, v_cache, learnable_sink=torch.zeros(4, device=device), **new)
+
+
+def _growing_steps(gen, device, steps, dtype=torch.float16):
+    """Per step (batch, left pads, lengths): q and caches in transformers' (batch, nheads_k, slots,
+    headdim) order, transposed, fresh each step with one slot more than the step before (as
+    DynamicCache's torch.cat gives them); slots before a row's pad or past its length NaN."""
+    made, slots = [], 20
+    for batch, pads, lens in steps:
+        slots += 1
+        kv = [torch.randn(batch, 2, slots, 32, generator=gen).to(dtype) for _ in range(2)]
+        for t in kv:
+            for b in range(batch):
+                t[b, :, :pads[b]] = float("nan")
+                t[b, :, lens[b]:] = float("nan")
+        q = torch.randn(batch, 1, 4, 32, generator=gen).to(dtype)
+        lengths = [torch.tensor(x, dtype=torch.int32) for x in (lens, pads)]
+        made.append([x.to(device) for x in (q, *(t.transpose(1, 2) for t in kv), *lengths)])
+    return made
+
+
+@pytest.mark.parametrize("leftpad", [True, False])
+def test_next_step_equals_a_new_plan_over_growing_caches(device, leftpad):
+    """``next_step`` carries a plan from step to step over caches one slot longer each step, with new
+    lengths and (with cache_leftpad) new pads: each step's runs equal flash_attn_with_kvcache's calls
+    bit for bit. The step whose batch changed gets a plan made anew (nothing of the last one kept);
+    the others keep the query offsets and launch plan of the first."""
+    gen = torch.Generator().manual_seed(85)
+    steps = _growing_steps(gen, device, [(3, [0, 7, 15], [21, 21, 21]), (3, [0, 7, 15], [22, 22, 22]),
+                                         (3, [4, 0, 2], [23, 20, 23]), (2, [5, 1], [24, 24]), (2, [5, 1], [25, 25])])
+    opts = dict(causal=True, window_size=(11, 11), num_splits=0)
+    plan = None
+    for t, (q, k_cache, v_cache, lens, pads) in enumerate(steps):
+        pad = dict(cache_leftpad=pads) if leftpad else {}
+        if not leftpad:  # every slot before the length is a key
+            for c in (k_cache, v_cache):
+                c.nan_to_num_(0.25)
+        if plan is None:
+            plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, return_softmax_lse=True, **pad, **opts)
+            first = plan
+        else:
+            last, plan = plan, plan.next_step(q, k_cache, v_cache, lens, **pad)
+            assert plan is not last
+            assert (plan._options is last._options) == (t != 3), f"step {t}: carried on unless the batch changed"
+        for _ in range(2):  # two layers
+            want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True,
+                                                    **pad, **opts)
+            got = plan.run(q, k_cache, v_cache)
+            for w, g in zip(want, got):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert not got[0].isnan().any()
+    assert first.run(*steps[0][:3])[0].equal(tileattn.flash_attn_with_kvcache(  # the first plan stays valid
+        *steps[0][:3], cache_seqlens=steps[0][3], **(dict(cache_leftpad=steps[0][4]) if leftpad else {}), **opts))
+
+
+def test_next_step_checks_the_new_lengths_and_caches():
+    """What next_step carries on is only what the new step cannot change: its lengths, pads and
+    caches are checked as DecodePlan checks them; lengths vouched for on the host (as transformers'
+    integration does) are checked there, until the tensor changes."""
+    gen = torch.Generator().manual_seed(86)
+    (q, k_cache, v_cache, lens, pads), (q2, k2, v2, lens2, pads2) = _growing_steps(
+        gen, "cpu", [(3, [0, 7, 15], [21, 21, 21]), (3, [0, 7, 15], [22, 22, 22])], torch.float32)
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, causal=True)
+    with pytest.raises(IndexError, match="cache_seqlens must be within 0..22"):
+        plan.next_step(q2, k2, v2, lens2 + 1, cache_leftpad=pads2)
+    with pytest.raises(IndexError, match="cache_leftpad must lie within"):
+        plan.next_step(q2, k2, v2, lens2, cache_leftpad=torch.tensor([0, 23, 1], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cache_leftpad"):
+        plan.next_step(q2, k2, v2, lens2, cache_leftpad=pads2.long())
+    with pytest.raises(ValueError, match="k_cache has batch 2"):  # made anew: DecodePlan's own checks
+        plan.next_step(q2, k2[:2], v2[:2], lens2, cache_leftpad=pads2)
+    V.vouch_lengths(lens2, pads2, [22, 22, 22])
+    with pytest.raises(IndexError, match="cache_seqlens must be within 0..21"):  # the vouched values, on the host
+        plan.next_step(q2, k2[:, :21], v2[:, :21], lens2, cache_leftpad=pads2)
+    lens2[0] = 30  # a change voids what was vouched: read again
+    with pytest.raises(IndexError, match="cache_seqlens must be within 0..22"):
+        plan.next_step(q2, k2, v2, lens2, cache_leftpad=pads2)
 
 
 def test_plan_rejects_a_layer_it_was_not_made_for():

@@ -22,6 +22,7 @@ from tolerance import GRAD_FACTOR, assert_within, plain_attention
 transformers = pytest.importorskip("transformers")
 
 import tileattn.integrations.transformers as tt  # noqa: E402  (registers "tileattn")
+from tileattn.ops.decode_plan import DecodePlan  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -449,19 +450,84 @@ def test_padded_queries_and_gradients_keep_the_packed_path(cpu_backend, monkeypa
 def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend, monkeypatch):
     """generate() on a left-padded batch: the mask of each forward is read on the host once (by
     the mask function; both layers reuse it), only the prefill packs its batch, and each
-    decoding step makes one plan that both layers run."""
+    decoding step makes one plan that both layers run: the first step a new one, the others
+    the last step's carried on (``DecodePlan.next_step``, which makes none anew here)."""
     model = make_model("llama", seed=37)
     model.set_attn_implementation("tileattn")
     ids, mask = batch_with_padding(38, [11, 6, 3], left=True)
-    runs = []
-    run = tt.DecodePlan.run
-    monkeypatch.setattr(tt.DecodePlan, "run", lambda *a, **kw: runs.append(1) or run(*a, **kw))
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})  # no plan of an earlier test to carry on
+    calls = {"run": 0, "next_step": 0, "__init__": 0}
+    for name in calls:
+        monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
     counted = _Counted(monkeypatch, "_Runs", "_pack", "_unpadded_attention", "DecodePlan")
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     layers = model.config.num_hidden_layers
-    assert counted.calls == {"_Runs": 6, "_pack": 1, "_unpadded_attention": layers, "DecodePlan": 5}
-    assert len(runs) == 5 * layers
+    assert counted.calls == {"_Runs": 6, "_pack": 1, "_unpadded_attention": layers, "DecodePlan": 1}
+    assert calls == {"run": 5 * layers, "next_step": 4, "__init__": 1}
+
+
+def _counting(calls: dict, name: str, f):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return f(*args, **kwargs)
+    return counted
+
+
+def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, nheads_k=2, headdim=16):
+    """Per step: (q, k, v, bool mask) as transformers' eager generate() hands them to a layer, the
+    cache one key longer each step and fresh tensors (DynamicCache's torch.cat): step t's rows
+    have pads[t] left padding slots, its batch batch_sizes[t]; padding slots of k, v hold NaN."""
+    steps, seen = [], 9
+    for pad, batch in zip(pads, batch_sizes):
+        seen += 1
+        q = torch.randn(batch, nheads, 1, headdim, generator=gen)
+        k, v = (torch.randn(batch, nheads_k, seen, headdim, generator=gen) for _ in "kv")
+        mask = torch.arange(seen)[None] >= torch.tensor(pad)[:, None]
+        for t in (k, v):
+            t.masked_fill_(~mask[:, None, :, None], float("nan"))
+        steps.append((q, k, v, mask))
+    return steps
+
+
+# step by step: the left pads of each row and the batch; the plan carried on from step to step,
+# or made anew where the batch changes (and carried on again after)
+CARRIED_STEPS = {
+    "generate": ([[3, 0, 7]] * 4, [3] * 4),
+    "padding changes": ([[3, 0, 7], [3, 0, 7], [0, 5, 2], [0, 5, 2]], [3] * 4),
+    "batch changes": ([[3, 0, 7], [3, 0, 7], [1, 4], [1, 4]], [3, 3, 2, 2]),
+}
+
+
+@pytest.mark.parametrize("case", CARRIED_STEPS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_decoding_steps_carry_their_plan_exactly(device, monkeypatch, case, window):
+    """Consecutive decoding steps as generate() makes them (the mask function, then two layers):
+    each step's plan is the last one's carried on (``DecodePlan.next_step``), and every output
+    equals, bit for bit, what a plan made anew for the step gives (the same kernels), and the
+    float64 reference over the row's real keys. A step whose batch changed makes a new plan;
+    one whose padding changed carries the plan on over the new pads."""
+    pads, batches = CARRIED_STEPS[case]
+    gen = torch.Generator().manual_seed(41)
+    steps = _decode_steps(gen, pads, batches)
+    kwargs = dict(scaling=0.3, sliding_window=window)
+    fresh = []
+    for q, k, v, mask in steps:  # each step's plan made anew, with no plan to carry on
+        monkeypatch.setattr(tt, "_STEP_PLANS", {})
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask)
+        fresh.append(tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, **kwargs)[0])
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    calls = {"next_step": 0, "__init__": 0}
+    for name in calls:
+        monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
+    for t, (q, k, v, mask) in enumerate(steps):
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+        out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, **kwargs)
+        again, _ = tt.tileattn_attention_forward(_Layer(), q, k.clone(), v.clone(), mask_arg, **kwargs)  # layer 2
+        assert torch.equal(out, fresh[t]) and torch.equal(again, out), f"step {t}"
+        _assert_rows_exact(out, q, k, v, mask, scaling=0.3, window=window, softcap=None)
+    renewed = sum(a != b for a, b in zip(batches[1:], batches[:-1]))  # next_step makes a new plan
+    assert calls == {"next_step": len(steps) - 1, "__init__": 1 + renewed}
 
 
 def test_segmented_path_refuses_a_mask_with_holes(cpu_backend):

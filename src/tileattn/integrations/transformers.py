@@ -24,10 +24,12 @@ KV caches. What the layer hands over, and what tileattn does with it:
   left-padded batch (every query real, each row's real keys one run ending at its last query:
   what ``generate()`` produces) attends through a ``DecodePlan`` with ``cache_leftpad``, made by
   the step's first layer and run by the others: each row's keys are read in place, nothing
-  gathered. Other padded batches are unpacked with the mask (``flash_attn_varlen_func`` over the
-  real tokens only) and re-padded; padded query rows come back as zeros. Without causality or a
-  window (an encoder's self-attention, an encoder-decoder's cross-attention) the mask marks keys
-  only: every query attends to its row's real keys, however many queries there are. (Any extra pattern
+  gathered. The step's plan is the last step's carried on (``DecodePlan.next_step``: only what
+  the longer caches and the new lengths change is worked out again). Other padded batches are
+  unpacked with the mask (``flash_attn_varlen_func`` over the real tokens only) and re-padded;
+  padded query rows come back as zeros. Without causality or a window (an encoder's
+  self-attention, an encoder-decoder's cross-attention) the mask marks keys only: every query
+  attends to its row's real keys, however many queries there are. (Any extra pattern
   transformers would overlay on a 4-D mask — image-token blocks, chunked attention — is not
   represented: flash-attn does the same.) A 4-D mask passed by the user is refused with an error.
 * ``s_aux`` (gpt-oss): a learned sink logit per query head, passed as tileattn's
@@ -40,7 +42,8 @@ KV caches. What the layer hands over, and what tileattn does with it:
 Host synchronisation: in eager mode a mask is read on the host once per mask tensor, one copy
 of three counts per row (first real slot, real slots, filled slots), in the mask function (which
 returns None when every key is real); every layer that gets the mask reuses it. A left-padded
-decoding step needs no other read (its plan's lengths come from the counts on the device). Any
+decoding step needs no other read (its plan's lengths come from the counts on the device, and
+are checked on the host against the counts read there: no check is launched). Any
 other mask is then removed exactly by reading it once more to pack the real tokens, as
 flash-attn's transformers path does, also once per mask tensor. Under ``torch.compile`` nothing is read on the
 host, so ``fullgraph=True`` traces the model: the mask function keeps the mask, and each
@@ -61,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops._custom import _needs_graph
-from ..ops._validate import vouch
+from ..ops._validate import vouch, vouch_lengths
 from ..ops.attention import flash_attn_func
 from ..ops.decode_plan import DecodePlan
 from ..ops.varlen import flash_attn_varlen_func
@@ -245,6 +248,12 @@ def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
     return result
 
 
+# The latest decoding plan of each set of options (``_Runs.decode_plan``'s key): the next step's
+# plan, for the next mask, continues it (``DecodePlan.next_step``: only what the step's longer
+# caches and new lengths change is worked out again).
+_STEP_PLANS: dict = {}
+
+
 class _Runs:
     """Where each row's real keys lie in a padding mask (bool, or tileattn_mask's int8 form), read
     on the host in one copy: per row the first real slot, the count of real slots and the count
@@ -260,6 +269,9 @@ class _Runs:
         self.tensor = torch.stack([filled, first, count])  # (3, batch) on the mask's device
         self.filled, self.first, self.count = self.tensor.tolist()
         self.width, self.plans = mask.shape[1], {}
+        # the fewest real keys of a row when every row's are one run ending at its last filled slot, else -1
+        one_run = self.count and all(n == f - s for f, s, n in zip(self.filled, self.first, self.count))
+        self.shortest_run = min(self.count) if one_run else -1
 
     def every_key_real(self) -> bool:
         return all(n == self.width for n in self.count)
@@ -270,19 +282,25 @@ class _Runs:
         step): cache_seqlens the filled slots, cache_leftpad the first real one, read in place.
         None otherwise. Made once per mask, q/k/v layout and options: every layer of the step
         that has them runs the same plan."""
-        if not self.count or not all(n == f - s and n >= q.shape[1]
-                                     for f, s, n in zip(self.filled, self.first, self.count)):
+        if self.shortest_run < q.shape[1]:
             return None
         sink = options.get("learnable_sink")
+        # the sinks' layout, not only whether there are any: a plan's sinks stand for every layer's
         key = (options["softmax_scale"], options["causal"], options["window_size"], options["softcap"],
-               sink is not None)
+               None if sink is None else (sink.shape, sink.dtype, sink.device))
         plan = self.plans.get(key)
         if plan is None or not plan.fits(q, k, v):
-            lengths = self.tensor[:2].to(device=q.device, dtype=torch.int32)
-            plan = self.plans[key] = DecodePlan(
-                q, k, v, lengths[0], cache_leftpad=lengths[1], softmax_scale=options["softmax_scale"],
-                causal=options["causal"], window_size=options["window_size"], softcap=options["softcap"],
-                learnable_sink=sink)
+            seqlens, leftpad = self.tensor[:2].to(device=q.device, dtype=torch.int32)
+            # read on the host (filled, first): the plan checks them there, launching no check
+            vouch_lengths(seqlens, leftpad, self.filled)
+            last = _STEP_PLANS.get(key)
+            if last is None:
+                plan = DecodePlan(q, k, v, seqlens, cache_leftpad=leftpad, softmax_scale=options["softmax_scale"],
+                                  causal=options["causal"], window_size=options["window_size"],
+                                  softcap=options["softcap"], learnable_sink=sink)
+            else:  # the same options: what the DecodePlan above would be (a new one unless only the caches grew)
+                plan = last.next_step(q, k, v, seqlens, cache_leftpad=leftpad)
+            self.plans[key] = _STEP_PLANS[key] = plan
         return plan
 
 

@@ -690,6 +690,10 @@ def check_cache_values(seqlens, new_tokens: int, capacity: int, block_table=None
             fail(IndexError, f"block_table entries in use must index the cache's {num_blocks} blocks, found "
                              f"0..{top_block}")
         return
+    extent = _lengths_facts(seqlens, leftpad, block_table)
+    if extent is not None:  # lengths (and left pads within them) whose producer read them on the host
+        _check_extent(*extent, new_tokens, capacity, rotary_len, rotary_reach, lengths_name)
+        return
     if mode == "device":
         if folded and kernel_asserts(seqlens):
             return True
@@ -760,6 +764,32 @@ def _check_cache_on_device(seqlens, new_tokens, capacity, block_table, block_siz
     if block_table is not None and block_table.numel() > 0:
         what += f"; {table_name} entries in use within 0..{num_blocks - 1}"
     assert_on_device(ok, what)
+
+
+def vouch_lengths(seqlens: torch.Tensor, leftpad: torch.Tensor | None, lengths: list[int]) -> None:
+    """Mark a contiguous cache's lengths (and left pads) as holding values their producer knows on
+    the host: ``lengths`` is what ``seqlens`` holds, and every left pad lies within 0 .. its
+    sequence's length. ``check_cache_values`` then checks them on the host, reading and launching
+    nothing (``vouch``: as long as neither tensor is modified)."""
+    state = object()  # the two tensors' facts hold for each other only
+    vouch(seqlens, ("cache_lengths", state, min(lengths), max(lengths)))
+    if leftpad is not None:
+        vouch(leftpad, ("cache_leftpad", state))
+
+
+def _lengths_facts(seqlens, leftpad, block_table):
+    """(shortest, longest length) when ``vouch_lengths`` vouched for ``seqlens`` (and for
+    ``leftpad`` with it), no block table: else None."""
+    if block_table is not None:
+        return None
+    lens = vouched(seqlens)
+    if lens is None or lens[0] != "cache_lengths":
+        return None
+    if leftpad is not None:
+        pads = vouched(leftpad)
+        if pads is None or pads[0] != "cache_leftpad" or pads[1] is not lens[1]:
+            return None
+    return lens[2], lens[3]
 
 
 def _cache_facts(seqlens, block_table, block_size: int):

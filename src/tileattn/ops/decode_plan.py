@@ -26,6 +26,13 @@ the lengths advance in place computes what a new plan would, but nothing checks 
 make a new plan per step, and for a graph replayed step after step capture the plan's
 construction (its device-side checks) with its runs.
 
+The next step's plan can come from this one: ``plan = plan.next_step(q, k_caches[0], v_caches[0],
+cache_seqlens, cache_leftpad=...)`` is the plan ``DecodePlan`` would make with the same options,
+but when only what a decoding loop changes changed (the lengths and left pads, and the caches'
+slot count and strides: transformers' caches grow by one key a step) it checks and works out
+only what depends on those, and keeps the options' checks, the query offsets and the split
+workspace.
+
 ``cache_leftpad`` (batch,) int32, as for ``flash_attn_with_kvcache``: sequence b attends to slots
 cache_leftpad[b] ... of its contiguous cache row (a left-padded batch, as transformers' generate()
 decodes it). The plan works out once the packed offsets that read the slots in place (every
@@ -47,7 +54,7 @@ import torch
 from . import _validate as V
 from ._custom import attention
 from .backend import backend_for, backend_name
-from .kvcache import _append, _is_prefix_view, as_tokens, check_leftpad, leftpad_offsets, unpack_lse
+from .kvcache import _append, _is_prefix_view, as_tokens, check_leftpad, key_offsets, query_offsets, unpack_lse
 
 __all__ = ["DecodePlan"]
 
@@ -69,6 +76,10 @@ class DecodePlan:
         # the checks of flash_attn_with_kvcache, once for the step (the new k, v: in ``run``)
         V.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse)
         V.check_qkv(q, k_cache, v_cache, packed=False, cache=True, headdim_v=True)
+        self._options = dict(seqlen_new=seqlen_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                             rotary_interleaved=rotary_interleaved, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+                             return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink)  # for next_step
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
         if seqlen_new:  # every layer's caches have these strides (``run`` checks them)
             V.check_writable("k_cache", k_cache)
@@ -78,48 +89,114 @@ class DecodePlan:
         self.descales = V.check_descales(k_cache, q, k_descale, v_descale, batch, v_cache=v_cache)
         self._new_dtype = q.dtype if self.descales[0] is not None else k_cache.dtype  # FP8: quantised as written
         paged = block_table is not None
-        capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
-        cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
-        self.pitch = None if cache_leftpad is None else check_leftpad(cache_leftpad, k_cache, v_cache, capacity, paged,
-                                                                      k_descale, batch, q.device)
         self.sinks = V.check_sink(learnable_sink, q, q.shape[2]) is not None
         # rotary needs new keys to rotate: the check asks only whether there are any
-        rotary_len = V.check_rotary(rotary_cos, rotary_sin, k_cache if seqlen_new else None, q.shape[-1], q.device)
+        self._rotary_len = V.check_rotary(rotary_cos, rotary_sin, k_cache if seqlen_new else None, q.shape[-1],
+                                          q.device)
         self.params = V.make_params(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                     softcap=softcap, dropout_p=0.0)
         per_token_q = self.params.window_left >= 0 or self.params.window_right >= 0  # causal or local
+        self._rotary_reach = max(seqlen_new, q.shape[1] if per_token_q else 1)
         self.alibi = V.check_alibi(alibi_slopes, batch, q.shape[2], q.device)
-        V.check_cache_values(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
-                             rotary_len=rotary_len, rotary_reach=max(seqlen_new, q.shape[1] if per_token_q else 1),
-                             leftpad=cache_leftpad)
-        self.cache_seqlens, self.block_table, self.seqlen_new = cache_seqlens, block_table, seqlen_new
-        self.seqused_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
-        self.packed = None  # with cache_leftpad: (cu_seqlens_q, cu_seqlens_k, seqused_k) of the packed call
-        self.leftpad = cache_leftpad
-        if cache_leftpad is not None:
-            self.packed = leftpad_offsets(batch, q.shape[1], k_cache, self.pitch, cache_leftpad, self.seqused_k)
+        self.block_table, self.seqlen_new = block_table, seqlen_new
         self.rotary = (rotary_cos, rotary_sin, rotary_interleaved, per_token_q)
-        self.return_softmax_lse, self.num_splits, self.capacity = return_softmax_lse, num_splits, capacity
+        self.return_softmax_lse, self.num_splits = return_softmax_lse, num_splits
         self.seqlen_q = q.shape[1]
         q = V.last_dim_contiguous(q)
-        self._shapes = self._signature(q, k_cache, v_cache)
         self._new_shapes = {"k": (batch, seqlen_new, *k_cache.shape[2:]), "v": (batch, seqlen_new, *v_cache.shape[2:])}
         self._out_shape = (*q.shape[:-1], v_cache.shape[-1])  # v's head dim
         self._lse_shape = (batch, q.shape[2], q.shape[1])
-        if self.packed is not None:  # q, out and lse as the packed call has them
+        self._queries = None  # with cache_leftpad: ``query_offsets`` of the packed call (rows, cu_seqlens_q)
+        if cache_leftpad is not None:  # q, out and lse as the packed call has them
             self._out_shape = (batch * q.shape[1], q.shape[2], v_cache.shape[-1])
             self._lse_shape = (q.shape[2], batch * q.shape[1])
+            self._queries = query_offsets(batch, q.shape[1], q.device)
+        self._backend = backend_name(q.device)
+        self._sink = learnable_sink if self.sinks else None  # for plan_fwd (its layout, which every layer's has)
+        self._outputs = None  # out and lse as ``run`` allocates them, for plan_fwd (the launch depends on their layout)
+        if self._backend == "triton":
+            self._outputs = (torch.empty(self._out_shape, dtype=q.dtype, device=q.device),
+                             torch.empty(self._lse_shape, dtype=torch.float32, device=q.device))
         self._fwd = self._workspace = None
-        if backend_name(q.device) == "triton":
-            out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)  # as ``run`` allocates it
-            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+        self._step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, paged)
+
+    def _step(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, paged: bool) -> None:
+        """What depends on the step's caches (their slot count and strides), lengths and left pads:
+        their checks, the packed offsets, the launch (``plan_fwd``) and its split workspace (kept
+        from the plan this one continues when the new launch's has the same shapes). ``q`` has a
+        unit last stride."""
+        batch, block_table = q.shape[0], self.block_table
+        capacity = V.cache_capacity(k_cache, block_table, batch, q.device)
+        cache_seqlens = V.cache_lengths(cache_seqlens, batch, capacity, paged, q.device)
+        k_descale = self.descales[0]
+        self.pitch = None if cache_leftpad is None else check_leftpad(cache_leftpad, k_cache, v_cache, capacity, paged,
+                                                                      k_descale, batch, q.device)
+        V.check_cache_values(cache_seqlens, self.seqlen_new, capacity, block_table, k_cache.shape[1], k_cache.shape[0],
+                             rotary_len=self._rotary_len, rotary_reach=self._rotary_reach, leftpad=cache_leftpad)
+        self.cache_seqlens, self.capacity = cache_seqlens, capacity
+        self.seqused_k = cache_seqlens + self.seqlen_new if self.seqlen_new else cache_seqlens
+        self.packed = None  # with cache_leftpad: (cu_seqlens_q, cu_seqlens_k, seqused_k) of the packed call
+        self.leftpad = cache_leftpad
+        if cache_leftpad is not None:
+            rows, cu_q = self._queries
+            self.packed = (cu_q, *key_offsets(rows, k_cache, self.pitch, cache_leftpad, self.seqused_k))
+        self._shapes = self._signature(q, k_cache, v_cache)
+        if self._outputs is not None:
+            last_fwd, last_workspace = self._fwd, self._workspace
             q, k, v, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache, self.seqused_k)
             self._fwd = backend_for(q.device).plan_fwd(
-                q, k, v, out, lse, params=self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=self.seqlen_q, max_seqlen_k=capacity, seqused_k=seqused_k, block_table=block_table,
-                num_splits=num_splits, learnable_sink=learnable_sink if self.sinks else None,
-                k_descale=self.descales[0])
-            self._workspace = self._fwd.new_workspace(q.device)
+                q, k, v, *self._outputs, params=self.params, alibi_slopes=self.alibi, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=self.seqlen_q, max_seqlen_k=capacity, seqused_k=seqused_k,
+                block_table=block_table, num_splits=self.num_splits, learnable_sink=self._sink, k_descale=k_descale)
+            # the steps, like the layers, run one after the other on the stream: they may share it
+            same = last_fwd is not None and getattr(last_fwd, "workspace_shapes", None) is not None and getattr(
+                self._fwd, "workspace_shapes", None) == last_fwd.workspace_shapes
+            self._workspace = last_workspace if same else self._fwd.new_workspace(q.device)
+
+    def next_step(self, q, k_cache, v_cache, cache_seqlens, *, cache_leftpad=None) -> DecodePlan:
+        """The plan of the next decoding step: what ``DecodePlan(q, k_cache, v_cache, cache_seqlens,
+        cache_leftpad=cache_leftpad, <this plan's other arguments>)`` makes, bit for bit the same
+        outputs, made cheaply when only what a decoding loop changes changed.
+
+        That is: new lengths and left pads (any values: checked as ``DecodePlan`` checks them), and
+        caches that differ from the planned ones only in their slot count and strides
+        (transformers' caches, one key longer every step). What depends on those is checked and
+        worked out again as ``DecodePlan`` does (``_step``); the options, their checks and the
+        query offsets are kept, and so is the split workspace when the new launch's has the same
+        shapes (steps, like layers, run one after the other on the stream). Anything else that
+        differs (q, the batch, dtypes, devices, head dims, the backend, whether there is
+        cache_leftpad), a plan with a block table or FP8 descales, or a non-tensor argument makes
+        the plan anew through ``DecodePlan``: the same result, and bad input raises as it does
+        there. This plan stays valid."""
+        if not self._continued_by(q, k_cache, v_cache, cache_leftpad):
+            return DecodePlan(q, k_cache, v_cache, cache_seqlens, cache_leftpad=cache_leftpad, **self._options)
+        plan = DecodePlan.__new__(DecodePlan)
+        plan.__dict__.update(self.__dict__)
+        if self.seqlen_new:
+            V.check_writable("k_cache", k_cache)
+            V.check_writable("v_cache", v_cache)
+        plan._step(V.last_dim_contiguous(q), k_cache, v_cache, cache_seqlens, cache_leftpad, False)
+        return plan
+
+    def _continued_by(self, q, k_cache, v_cache, cache_leftpad) -> bool:
+        """Whether a step over these tensors differs from this plan's at most in what ``_step``
+        checks and works out again: then every check of ``__init__`` that ``_step`` does not
+        repeat (``check_qkv``'s among them) gives the answer it gave."""
+        if (self.block_table is not None or self.descales != (None, None) or (cache_leftpad is None) != (
+                self.leftpad is None) or not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache))):
+            return False
+        ks, vs = k_cache.shape, v_cache.shape
+        if len(ks) != 4 or len(vs) != 4:
+            return False
+        q = V.last_dim_contiguous(q)
+        device = q.device
+        # what _signature holds, less the caches' slot count and strides
+        shapes = self._shapes
+        return ((q.shape, q.stride(), q.dtype, device, ks[0], ks[2:], vs[0], vs[2:], k_cache.dtype, v_cache.dtype,
+                 k_cache.device, v_cache.device, _is_prefix_view(v_cache, k_cache))
+                == (*shapes[:4], shapes[4][0], shapes[4][2:], shapes[6][0], shapes[6][2:], *shapes[8:])
+                and ks[1] == vs[1] and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+                and backend_name(device) == self._backend)
 
     def _operands(self, q, k_cache, v_cache, seqused_k) -> tuple:
         """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call over ``seqused_k``

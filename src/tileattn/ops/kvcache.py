@@ -305,11 +305,26 @@ def leftpad_offsets(batch: int, seqlen_q: int, k_cache, pitch: int, leftpad, seq
     leftpad[b] .. seqused_k[b] - 1 of each sequence b, its keys read from ``as_tokens``: sequence b's
     keys start at token r * pitch + leftpad[b], r = cache_batch_idx[b] (or b), and number
     seqused_k[b] - leftpad[b]; its seqlen_q queries are rows b * seqlen_q ... of q packed."""
-    rows = torch.arange(batch + 1, dtype=torch.int32, device=leftpad.device)
-    starts = (rows[:-1] if cache_batch_idx is None else cache_batch_idx) * pitch + leftpad
+    rows, cu_q = query_offsets(batch, seqlen_q, leftpad.device)
+    return (cu_q, *key_offsets(rows, k_cache, pitch, leftpad, seqused_k, cache_batch_idx))
+
+
+def query_offsets(batch: int, seqlen_q: int, device) -> tuple:
+    """(rows, cu_seqlens_q) of ``leftpad_offsets``: rows 0 .. batch int32, the query offsets
+    seqlen_q apart (what depends on the batch alone: a ``DecodePlan`` keeps it from step to step)."""
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return rows, rows * seqlen_q
+
+
+def key_offsets(rows, k_cache, pitch: int, leftpad, seqused_k, cache_batch_idx=None) -> tuple:
+    """(cu_seqlens_k, seqused_k) of ``leftpad_offsets``, ``rows`` from ``query_offsets``."""
+    batch = rows.shape[0] - 1
     tokens = (k_cache.shape[0] - 1) * pitch + k_cache.shape[1]  # as_tokens' count
-    cu_k = torch.cat([starts, starts.new_full((1,), tokens)])  # only the starts are read
-    return rows * seqlen_q, cu_k, seqused_k - leftpad
+    cu_k = torch.empty(batch + 1, dtype=torch.int32, device=leftpad.device)
+    # the starts r * pitch + leftpad (below 2**31: check_leftpad), then the token count (only the starts are read)
+    torch.add(leftpad, rows[:-1] if cache_batch_idx is None else cache_batch_idx, alpha=pitch, out=cu_k[:batch])
+    cu_k[batch:].fill_(tokens)
+    return cu_k, seqused_k - leftpad
 
 
 def unpack_lse(lse, batch: int, seqlen_q: int):
