@@ -100,7 +100,8 @@ def count_plans(steps, module) -> tuple[float, float, float]:
     packing)."""
     from tileattn.ops.decode_plan import DecodePlan
 
-    counts, made, fwd_made, run = [0, 0, 0], DecodePlan.__init__, A.FwdPlan.__init__, DecodePlan.run
+    counts, made, fwd_made = [0, 0, 0], DecodePlan.__init__, A.FwdPlan.__init__
+    runs = {name: getattr(DecodePlan, name) for name in ("run", "run_fitted") if hasattr(DecodePlan, name)}
 
     def counted_init(*args, **kwargs):
         counts[0] += 1
@@ -110,15 +111,21 @@ def count_plans(steps, module) -> tuple[float, float, float]:
         counts[1] += 1
         fwd_made(*args, **kwargs)
 
-    def counted_run(*args, **kwargs):
-        counts[2] += 1
-        return run(*args, **kwargs)
+    def counted(run):
+        def counted_run(*args, **kwargs):
+            counts[2] += 1
+            return run(*args, **kwargs)
+        return counted_run
 
-    DecodePlan.__init__, A.FwdPlan.__init__, DecodePlan.run = counted_init, counted_fwd, counted_run
+    DecodePlan.__init__, A.FwdPlan.__init__ = counted_init, counted_fwd
+    for name, run in runs.items():
+        setattr(DecodePlan, name, counted(run))
     try:
         run_steps(steps, module, fresh_plans=True)
     finally:
-        DecodePlan.__init__, A.FwdPlan.__init__, DecodePlan.run = made, fwd_made, run
+        DecodePlan.__init__, A.FwdPlan.__init__ = made, fwd_made
+        for name, run in runs.items():
+            setattr(DecodePlan, name, run)
     return tuple(n / len(steps) for n in counts)
 
 

@@ -216,7 +216,8 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
     if options["dropout_p"] == 0 and not _needs_graph(q, k, v, options.get("learnable_sink")):
         plan = _mask_runs(attention_mask).decode_plan(q, k, v, options)
         if plan is not None:  # every query real, each row's keys one run ending at its last query
-            return plan.run(q, k, v, learnable_sink=options.get("learnable_sink"))
+            # decode_plan compared q, k, v with the plan (or made it from them)
+            return plan.run_fitted(q, k, v, learnable_sink=options.get("learnable_sink"))
     packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k, keys_only)
     return _unpadded_attention(q, k, v, packing, options)
 

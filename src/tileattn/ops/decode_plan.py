@@ -234,6 +234,15 @@ class DecodePlan:
             V.fail(ValueError, "q, k_cache, v_cache differ from the tensors the plan was made with (shape, strides, "
                                "dtype, device, or whether v_cache is a view of k_cache's leading columns): make a "
                                "new DecodePlan")
+        return self._run(q, k_cache, v_cache, k, v, learnable_sink)
+
+    def run_fitted(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
+        """``run`` for a caller that has just asked ``fits(q, k_cache, v_cache)`` (True) or made the
+        plan (or ``next_step``'s) from these very tensors: their signature is not compared again.
+        Everything else ``run`` checks is checked."""
+        return self._run(V.last_dim_contiguous(q), k_cache, v_cache, k, v, learnable_sink)
+
+    def _run(self, q, k_cache, v_cache, k, v, learnable_sink):
         if (learnable_sink is not None) != self.sinks:
             V.fail(ValueError, "the plan was made with learnable_sink: pass each layer's" if self.sinks else
                                "the plan was made without learnable_sink: make one with sinks")
@@ -256,7 +265,9 @@ class DecodePlan:
         q, k_cache, v_cache, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache, seqused_k)
         if self._fwd is not None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+            # the lse nobody reads: the plan's (runs, like the split workspace, follow each other on the stream)
+            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device) if self.return_softmax_lse \
+                else self._outputs[1]
             self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, cu_q, cu_k, seqused_k,
                           self.block_table, self._workspace, learnable_sink=sink, k_descale=self.descales[0],
                           v_descale=self.descales[1])
