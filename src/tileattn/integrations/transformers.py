@@ -265,7 +265,7 @@ class _Runs:
         mask = attention_mask
         real = mask == 1 if mask.dtype == torch.int8 else mask.to(torch.bool)
         count = real.sum(1)
-        first = real.to(torch.uint8).argmax(1)  # the first real slot (0 for a row without one)
+        first = real.view(torch.uint8).argmax(1)  # the first real slot (0 for a row without one)
         filled = (mask != _NOT_FILLED).sum(1) if mask.dtype == torch.int8 else torch.full_like(count, mask.shape[1])
         self.tensor = torch.stack([filled, first, count])  # (3, batch) on the mask's device
         self.filled, self.first, self.count = self.tensor.tolist()
@@ -291,7 +291,8 @@ class _Runs:
                None if sink is None else (sink.shape, sink.dtype, sink.device))
         plan = self.plans.get(key)
         if plan is None or not plan.fits(q, k, v):
-            seqlens, leftpad = self.tensor[:2].to(device=q.device, dtype=torch.int32)
+            lengths = self.tensor.to(device=q.device, dtype=torch.int32)  # (filled, first, count)
+            seqlens, leftpad = lengths[0], lengths[1]
             # read on the host (filled, first): the plan checks them there, launching no check
             vouch_lengths(seqlens, leftpad, self.filled)
             last = _STEP_PLANS.get(key)
