@@ -12,10 +12,10 @@ all of it and works the launch out on every call; a serving loop can do that onc
 ``plan.run(...)`` returns what ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...,
 cache_seqlens=cache_seqlens, block_table=block_table, ...)`` returns, bit for bit. The plan
 checks the inputs and the cache lengths and table once, works out the split layout and the
-kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once (the
-layers run one after the other on the stream, so they share it); ``run`` only compares each
-layer's tensors with the planned shapes and launches: the append of the new keys (rotated
-when asked) and attention, no host-device synchronisation, so a step can be captured in a
+kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once, and the
+lse when it is not returned (the layers run one after the other on the stream, so they share
+them); ``run`` only compares each layer's tensors with the planned shapes and launches: the
+append of the new keys (rotated when asked) and attention, no host-device synchronisation, so a step can be captured in a
 CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
 planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
