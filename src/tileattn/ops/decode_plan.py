@@ -16,8 +16,8 @@ kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace 
 lse when it is not returned (the layers run one after the other on the stream, so they share
 them); ``run`` only compares each layer's tensors with the planned shapes and launches: the
 append of the new keys (rotated when asked) and attention, no host-device synchronisation, so
-a step can be captured in a CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
-planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
+a step can be captured in a CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the
+step's, given to the plan. Not planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
 A plan is one step's: it checks the step's lengths and block table (against the cache's capacity,
 the rotary tables) when it is made, not in ``run``. ``run`` reads ``cache_seqlens`` as it is then
