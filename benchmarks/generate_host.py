@@ -168,9 +168,10 @@ def main():
             for _ in range(args.sweeps):
                 run_steps(steps, module, args.fresh_plans)
             times.append((clock() - t0) / (args.sweeps * len(steps)) * 1e6)
+    fresh = ", launch plans made afresh each sweep" if args.fresh_plans else ""
     print(f"generate() decoding step's attention ({LAYERS} layers, batch {len(PROMPTS)}, splits as {args.splits}): "
           f"{statistics.median(times):.1f} µs per step, median of {args.repeat} "
-          f"(min {min(times):.1f}, max {max(times):.1f}){', launch plans made afresh each sweep' if args.fresh_plans else ''}; "
+          f"(min {min(times):.1f}, max {max(times):.1f}){fresh}; "
           f"per step: {made:.2f} DecodePlans made anew, {fwd_made:.2f} FwdPlans made (cache emptied first), "
           f"{runs:g} plan runs")
 
