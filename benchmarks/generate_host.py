@@ -101,7 +101,7 @@ def count_plans(steps, module) -> tuple[float, float, float]:
     from tileattn.ops.decode_plan import DecodePlan
 
     counts, made, fwd_made = [0, 0, 0], DecodePlan.__init__, A.FwdPlan.__init__
-    runs = {name: getattr(DecodePlan, name) for name in ("run", "run_fitted") if hasattr(DecodePlan, name)}
+    runs = {name: getattr(DecodePlan, name) for name in ("run", "_run_fitted") if hasattr(DecodePlan, name)}
 
     def counted_init(*args, **kwargs):
         counts[0] += 1

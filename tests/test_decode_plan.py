@@ -206,7 +206,7 @@ def test_next_step_over_caches_grown_by_several_slots_and_new_head_strides(devic
     """The steps' caches grow by 1 to 3 slots, their pads change, and with head dim 40 the packed
     keys' head stride (40 x the slot count) is a multiple of 16 at one step, not at the next (the
     launch plan taken per call must follow: ``gpu.attention._plan_key``). Every step's runs (two
-    layers, ``run_fitted`` as transformers' integration runs them, and ``run``) equal, bit for
+    layers, ``_run_fitted`` as transformers' integration runs them, and ``run``) equal, bit for
     bit, flash_attn_with_kvcache's calls and the runs of a plan made for the step alone after
     every launch plan was dropped. A plan without lse returns a new out per run; with lse, a new
     lse per run too (the one it does not return is its own scratch)."""
@@ -222,7 +222,7 @@ def test_next_step_over_caches_grown_by_several_slots_and_new_head_strides(devic
     for t, (q, k_cache, v_cache, lens, pads) in enumerate(steps):
         plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, **opts) if plan is None else \
             plan.next_step(q, k_cache, v_cache, lens, cache_leftpad=pads)
-        got = [plan.run_fitted(q, k_cache, v_cache), plan.run_fitted(q, k_cache, v_cache),
+        got = [plan._run_fitted(q, k_cache, v_cache), plan._run_fitted(q, k_cache, v_cache),
                plan.run(q, k_cache, v_cache)]
         assert got[0].data_ptr() != got[1].data_ptr()
         want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, **opts)
@@ -233,7 +233,7 @@ def test_next_step_over_caches_grown_by_several_slots_and_new_head_strides(devic
         assert not want.isnan().any(), f"step {t}"
     q, k_cache, v_cache, lens, pads = steps[-1]
     plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, return_softmax_lse=True, **opts)
-    (o1, l1), (o2, l2) = plan.run_fitted(q, k_cache, v_cache), plan.run_fitted(q, k_cache, v_cache)
+    (o1, l1), (o2, l2) = plan._run_fitted(q, k_cache, v_cache), plan._run_fitted(q, k_cache, v_cache)
     assert l1.data_ptr() != l2.data_ptr() and torch.equal(l1, l2) and torch.equal(o1, o2)
     want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads,
                                             return_softmax_lse=True, **opts)

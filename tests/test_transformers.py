@@ -456,7 +456,7 @@ def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend,
     model.set_attn_implementation("tileattn")
     ids, mask = batch_with_padding(38, [11, 6, 3], left=True)
     monkeypatch.setattr(tt, "_STEP_PLANS", {})  # no plan of an earlier test to carry on
-    calls = {"run": 0, "run_fitted": 0, "next_step": 0, "__init__": 0}
+    calls = {"run": 0, "_run_fitted": 0, "next_step": 0, "__init__": 0}
     for name in calls:
         monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
     counted = _Counted(monkeypatch, "_Runs", "_pack", "_unpadded_attention", "DecodePlan")
@@ -464,8 +464,8 @@ def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend,
         model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     layers = model.config.num_hidden_layers
     assert counted.calls == {"_Runs": 6, "_pack": 1, "_unpadded_attention": layers, "DecodePlan": 1}
-    # run_fitted: decode_plan has just compared the layer's tensors with the plan
-    assert calls == {"run": 0, "run_fitted": 5 * layers, "next_step": 4, "__init__": 1}
+    # _run_fitted: decode_plan has just compared the layer's tensors with the plan
+    assert calls == {"run": 0, "_run_fitted": 5 * layers, "next_step": 4, "__init__": 1}
 
 
 def _counting(calls: dict, name: str, f):

@@ -217,7 +217,7 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
         plan = _mask_runs(attention_mask).decode_plan(q, k, v, options)
         if plan is not None:  # every query real, each row's keys one run ending at its last query
             # decode_plan compared q, k, v with the plan (or made it from them)
-            return plan.run_fitted(q, k, v, learnable_sink=options.get("learnable_sink"))
+            return plan._run_fitted(q, k, v, learnable_sink=options.get("learnable_sink"))
     packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k, keys_only)
     return _unpadded_attention(q, k, v, packing, options)
 

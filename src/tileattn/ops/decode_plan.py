@@ -236,10 +236,11 @@ class DecodePlan:
                                "new DecodePlan")
         return self._run(q, k_cache, v_cache, k, v, learnable_sink)
 
-    def run_fitted(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
+    def _run_fitted(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
         """``run`` for a caller that has just asked ``fits(q, k_cache, v_cache)`` (True) or made the
         plan (or ``next_step``'s) from these very tensors: their signature is not compared again.
-        Everything else ``run`` checks is checked."""
+        Everything else ``run`` checks is checked. Private: for tileattn's own callers (transformers'
+        integration), which make that comparison themselves; users call ``run``."""
         return self._run(V.last_dim_contiguous(q), k_cache, v_cache, k, v, learnable_sink)
 
     def _run(self, q, k_cache, v_cache, k, v, learnable_sink):
