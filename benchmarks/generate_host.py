@@ -16,10 +16,17 @@ keys and values (8, 4, seen + 1, 64), fresh contiguous tensors each step (Dynami
 consecutive steps are made before timing (their making is transformers' cost, not tileattn's);
 the timed loop runs the steps in order, ``--sweeps`` times per repeat. Prints the median µs
 per step over ``--repeat`` repeats, and per step how many ``DecodePlan``s were made anew (not
-carried on from the last step) and how many plan runs there were (one per layer: the decoding
-route).
+carried on from the last step), how many launch plans (``FwdPlan``) the steps made with the plan
+caches emptied first, and how many plan runs there were (one per layer: the decoding route).
 
-    python benchmarks/generate_host.py [--steps 32] [--sweeps 20] [--repeat 7] [--clock cpu] [--profile]
+The steps repeat every sweep, so after the first a launch plan keyed by a step's cache length is
+found in the cache; a real generate() sees each length once. ``--fresh-plans`` empties the
+launch plans' cache before every sweep, so that a step whose launch plan depends on its length
+makes one as it would in generate() (a plan that does not is made once per sweep: 1 in
+``--steps``).
+
+    python benchmarks/generate_host.py [--steps 32] [--sweeps 20] [--repeat 7] [--clock cpu] [--fresh-plans]
+                                       [--profile]
 """
 
 from __future__ import annotations
@@ -78,34 +85,48 @@ def make_steps(n_steps: int) -> list:
     return steps
 
 
-def run_steps(steps, module) -> None:
+def run_steps(steps, module, fresh_plans: bool = False) -> None:
+    if fresh_plans:
+        A._PLANS.clear()
     for mask_kwargs, layers in steps:
         mask = tt.tileattn_mask(**mask_kwargs)
         for q, k, v, kwargs in layers:
             tt.tileattn_attention_forward(module, q, k, v, mask, **kwargs)
 
 
-def count_plans(steps, module) -> tuple[float, float]:
-    """(DecodePlans made anew, plan runs) per step over one run of the steps: every layer should
-    run a plan (the decoding route, no packing)."""
+def count_plans(steps, module) -> tuple[float, float, float]:
+    """(DecodePlans made anew, FwdPlans made, plan runs) per step over one run of the steps, the
+    launch plans' cache emptied first: every layer should run a plan (the decoding route, no
+    packing)."""
     from tileattn.ops.decode_plan import DecodePlan
 
-    counts, made, run = [0, 0], DecodePlan.__init__, DecodePlan.run
+    counts, made, fwd_made = [0, 0, 0], DecodePlan.__init__, A.FwdPlan.__init__
+    runs = {name: getattr(DecodePlan, name) for name in ("run", "_run_fitted") if hasattr(DecodePlan, name)}
 
     def counted_init(*args, **kwargs):
         counts[0] += 1
         made(*args, **kwargs)
 
-    def counted_run(*args, **kwargs):
+    def counted_fwd(*args, **kwargs):
         counts[1] += 1
-        return run(*args, **kwargs)
+        fwd_made(*args, **kwargs)
 
-    DecodePlan.__init__, DecodePlan.run = counted_init, counted_run
+    def counted(run):
+        def counted_run(*args, **kwargs):
+            counts[2] += 1
+            return run(*args, **kwargs)
+        return counted_run
+
+    DecodePlan.__init__, A.FwdPlan.__init__ = counted_init, counted_fwd
+    for name, run in runs.items():
+        setattr(DecodePlan, name, counted(run))
     try:
-        run_steps(steps, module)
+        run_steps(steps, module, fresh_plans=True)
     finally:
-        DecodePlan.__init__, DecodePlan.run = made, run
-    return counts[0] / len(steps), counts[1] / len(steps)
+        DecodePlan.__init__, A.FwdPlan.__init__ = made, fwd_made
+        for name, run in runs.items():
+            setattr(DecodePlan, name, run)
+    return tuple(n / len(steps) for n in counts)
 
 
 def main():
@@ -116,6 +137,8 @@ def main():
     p.add_argument("--splits", choices=("h200", "cpu"), default="h200")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--glibc-default", action="store_true", help="leave glibc's trimming and mmap as they are")
+    p.add_argument("--fresh-plans", action="store_true",
+                   help="empty the launch plans' cache before every sweep (each length new, as in generate())")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps instead")
     args = p.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -128,12 +151,13 @@ def main():
     steps, module = make_steps(args.steps), _Attention()
     with torch.no_grad():  # generate() decodes under no_grad
         run_steps(steps, module)  # warm: the kernels' stand-ins made, plans kept
-        made, runs = count_plans(steps, module)
+        made, fwd_made, runs = count_plans(steps, module)
+        run_steps(steps, module)  # the launch plans back in the cache
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.sweeps):
-                run_steps(steps, module)
+                run_steps(steps, module, args.fresh_plans)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(40)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
@@ -142,11 +166,13 @@ def main():
         for _ in range(args.repeat):
             t0 = clock()
             for _ in range(args.sweeps):
-                run_steps(steps, module)
+                run_steps(steps, module, args.fresh_plans)
             times.append((clock() - t0) / (args.sweeps * len(steps)) * 1e6)
+    fresh = ", launch plans made afresh each sweep" if args.fresh_plans else ""
     print(f"generate() decoding step's attention ({LAYERS} layers, batch {len(PROMPTS)}, splits as {args.splits}): "
           f"{statistics.median(times):.1f} µs per step, median of {args.repeat} "
-          f"(min {min(times):.1f}, max {max(times):.1f}); per step: {made:.2f} DecodePlans made anew, "
+          f"(min {min(times):.1f}, max {max(times):.1f}){fresh}; "
+          f"per step: {made:.2f} DecodePlans made anew, {fwd_made:.2f} FwdPlans made (cache emptied first), "
           f"{runs:g} plan runs")
 
 

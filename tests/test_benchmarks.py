@@ -219,10 +219,11 @@ def test_ring_benchmark_runs_two_gloo_ranks(layout):
 def test_generate_host_times_a_decoding_step_on_the_decoding_route():
     """generate_host.py times generate()'s decoding steps through the stand-in: every layer of every
     step runs a DecodePlan (the decoding route), and the steps after the first carry their plan on
-    (fewer than one made anew per step)."""
+    (fewer than one made anew per step) and its launch plan (the caches one key longer each step:
+    fewer than one FwdPlan per step, with the plan cache emptied first)."""
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "generate_host.py"), "--steps", "4", "--sweeps", "1",
                            "--repeat", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    us, made, runs = re.search(r"([\d.]+) µs per step.*?([\d.]+) DecodePlans made anew, ([\d.]+) plan runs",
-                               proc.stdout).groups()
-    assert float(us) > 0 and float(made) < 1 and float(runs) == 2, proc.stdout
+    us, made, fwd_made, runs = re.search(r"([\d.]+) µs per step.*?([\d.]+) DecodePlans made anew, ([\d.]+) FwdPlans "
+                                         r"made \(cache emptied first\), ([\d.]+) plan runs", proc.stdout).groups()
+    assert float(us) > 0 and float(made) < 1 and float(fwd_made) < 1 and float(runs) == 2, proc.stdout

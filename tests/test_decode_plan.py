@@ -148,19 +148,20 @@ def test_plan_with_cache_leftpad_runs_each_layer_as_flash_attn_with_kvcache(devi
             plan.run(q, k_cache, v_cache, learnable_sink=torch.zeros(4, device=device), **new)
 
 
-def _growing_steps(gen, device, steps, dtype=torch.float16):
+def _growing_steps(gen, device, steps, dtype=torch.float16, headdim=32, grow=None):
     """Per step (batch, left pads, lengths): q and caches in transformers' (batch, nheads_k, slots,
     headdim) order, transposed, fresh each step with one slot more than the step before (as
-    DynamicCache's torch.cat gives them); slots before a row's pad or past its length NaN."""
+    DynamicCache's torch.cat gives them; ``grow``: per step, how many more); slots before a row's
+    pad or past its length NaN."""
     made, slots = [], 20
-    for batch, pads, lens in steps:
-        slots += 1
-        kv = [torch.randn(batch, 2, slots, 32, generator=gen).to(dtype) for _ in range(2)]
+    for (batch, pads, lens), more in zip(steps, grow or [1] * len(steps)):
+        slots += more
+        kv = [torch.randn(batch, 2, slots, headdim, generator=gen).to(dtype) for _ in range(2)]
         for t in kv:
             for b in range(batch):
                 t[b, :, :pads[b]] = float("nan")
                 t[b, :, lens[b]:] = float("nan")
-        q = torch.randn(batch, 1, 4, 32, generator=gen).to(dtype)
+        q = torch.randn(batch, 1, 4, headdim, generator=gen).to(dtype)
         lengths = [torch.tensor(x, dtype=torch.int32) for x in (lens, pads)]
         made.append([x.to(device) for x in (q, *(t.transpose(1, 2) for t in kv), *lengths)])
     return made
@@ -199,6 +200,44 @@ def test_next_step_equals_a_new_plan_over_growing_caches(device, leftpad):
     assert first.run(*steps[0][:3])[0].equal(tileattn.flash_attn_with_kvcache(  # the first plan stays valid
         *steps[0][:3], cache_seqlens=steps[0][3], **(dict(cache_leftpad=steps[0][4]) if leftpad else {}), **opts))
 
+
+
+def test_next_step_over_caches_grown_by_several_slots_and_new_head_strides(device):
+    """The steps' caches grow by 1 to 3 slots, their pads change, and with head dim 40 the packed
+    keys' head stride (40 x the slot count) is a multiple of 16 at one step, not at the next (the
+    launch plan taken per call must follow: ``gpu.attention._plan_key``). Every step's runs (two
+    layers, ``_run_fitted`` as transformers' integration runs them, and ``run``) equal, bit for
+    bit, flash_attn_with_kvcache's calls and the runs of a plan made for the step alone after
+    every launch plan was dropped. A plan without lse returns a new out per run; with lse, a new
+    lse per run too (the one it does not return is its own scratch)."""
+    from tileattn.gpu import attention as A
+
+    gen = torch.Generator().manual_seed(87)
+    steps = _growing_steps(gen, device, [(3, [0, 7, 15], [21, 21, 21]), (3, [0, 7, 15], [24, 24, 24]),
+                                         (3, [4, 0, 2], [26, 23, 26]), (3, [4, 0, 2], [27, 27, 27]),
+                                         (3, [1, 1, 9], [28, 28, 28])],
+                           headdim=40, grow=[1, 3, 2, 1, 1])
+    opts = dict(causal=True, num_splits=0)
+    plan = None
+    for t, (q, k_cache, v_cache, lens, pads) in enumerate(steps):
+        plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, **opts) if plan is None else \
+            plan.next_step(q, k_cache, v_cache, lens, cache_leftpad=pads)
+        got = [plan._run_fitted(q, k_cache, v_cache), plan._run_fitted(q, k_cache, v_cache),
+               plan.run(q, k_cache, v_cache)]
+        assert got[0].data_ptr() != got[1].data_ptr()
+        want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, **opts)
+        A.clear_plans()
+        alone = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, **opts)
+        for g in got + [alone.run(q, k_cache, v_cache)]:
+            torch.testing.assert_close(g, want, rtol=0, atol=0)
+        assert not want.isnan().any(), f"step {t}"
+    q, k_cache, v_cache, lens, pads = steps[-1]
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, cache_leftpad=pads, return_softmax_lse=True, **opts)
+    (o1, l1), (o2, l2) = plan._run_fitted(q, k_cache, v_cache), plan._run_fitted(q, k_cache, v_cache)
+    assert l1.data_ptr() != l2.data_ptr() and torch.equal(l1, l2) and torch.equal(o1, o2)
+    want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads,
+                                            return_softmax_lse=True, **opts)
+    assert torch.equal(o1, want[0]) and torch.equal(l1, want[1])
 
 def test_next_step_checks_the_new_lengths_and_caches():
     """What next_step carries on is only what the new step cannot change: its lengths, pads and

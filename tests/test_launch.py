@@ -424,6 +424,50 @@ def test_a_growing_dense_cache_keeps_one_plan():
                                                        None, 1)].fwd is not plan.fwd
 
 
+
+def test_a_growing_packed_cache_keeps_one_plan_per_stride_class():
+    """A DecodePlan over transformers' left-padded caches reads each row in place as packed keys
+    (tokens, Hk, D) whose token count and head stride grow with the cache (``kvcache.as_tokens``):
+    one plan serves the steps whose strides Triton classifies alike, taking the strides per call,
+    and every step matches the reference; a head stride of another class (head dim 40: 40 x an odd
+    slot count is no multiple of 16) gets a plan and launch of its own. The same call after the
+    plans are dropped gives the same bits."""
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(12)
+    params = AttnParams(40**-0.5)
+    batch, pads = 2, [3, 0]
+    outs = {}
+    for slots in (22, 24, 23, 30):  # head strides 880, 960 (multiples of 16), 920 (not), 1200
+        cache = [torch.randn(batch, 2, slots, 40, generator=gen).to(DEV) for _ in range(2)]
+        k, v = (c.transpose(1, 2) for c in cache)  # (batch, slots, 2, 40), rows 2 * slots tokens apart
+        pitch = 2 * slots
+        k_tok, v_tok = (c.as_strided(((batch - 1) * pitch + slots, 2, 40), c.stride()[1:], c.storage_offset())
+                        for c in (k, v))
+        q = torch.randn(batch, 4, 40, generator=gen).to(DEV)  # one query per sequence, packed
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        cu_k = torch.tensor([b * pitch + pads[b] for b in range(batch)] + [k_tok.shape[0]], dtype=torch.int32,
+                            device=DEV)
+        used = torch.tensor([slots - p for p in pads], dtype=torch.int32, device=DEV)
+        out, lse = torch.full_like(q, float("nan")), torch.full((4, batch), float("nan"), device=DEV)
+        call = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=slots,
+                    seqused_k=used)
+        A.attn_fwd(q, k_tok, v_tok, out, lse, **call)
+        for b in range(batch):
+            keys, values = (x[b:b + 1, pads[b]:] for x in (k, v))
+            ref, _ = reference.attention_naive(q[b][None, None].double().cpu().numpy(),
+                                               keys.double().cpu().numpy(), values.double().cpu().numpy())
+            plain, _ = plain_attention(q[b][None, None], keys, values)
+            assert_within(f"{slots} slots, sequence {b}", out[b][None, None], plain, ref)
+        outs[slots] = (out, (q, k_tok, v_tok, call))
+    plans = list(A._PLANS.values())
+    assert len(plans) == 2 and all(p.kv_per_call == "packed" for p in plans)
+    assert plans[0].fwd is not plans[1].fwd  # 16 and 17: compiled apart
+    for slots, (out, (q, k_tok, v_tok, call)) in outs.items():  # a plan made for this call alone
+        A.clear_plans()
+        again, lse = torch.full_like(q, float("nan")), torch.full((4, batch), float("nan"), device=DEV)
+        A.attn_fwd(q, k_tok, v_tok, again, lse, **call)
+        assert torch.equal(again, out), f"{slots} slots"
+
 def _kernel(X, n, m, BLOCK: tl.constexpr):
     pass
 

@@ -456,7 +456,7 @@ def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend,
     model.set_attn_implementation("tileattn")
     ids, mask = batch_with_padding(38, [11, 6, 3], left=True)
     monkeypatch.setattr(tt, "_STEP_PLANS", {})  # no plan of an earlier test to carry on
-    calls = {"run": 0, "next_step": 0, "__init__": 0}
+    calls = {"run": 0, "_run_fitted": 0, "next_step": 0, "__init__": 0}
     for name in calls:
         monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
     counted = _Counted(monkeypatch, "_Runs", "_pack", "_unpadded_attention", "DecodePlan")
@@ -464,7 +464,8 @@ def test_generate_reads_each_steps_mask_once_and_never_packs_a_step(cpu_backend,
         model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     layers = model.config.num_hidden_layers
     assert counted.calls == {"_Runs": 6, "_pack": 1, "_unpadded_attention": layers, "DecodePlan": 1}
-    assert calls == {"run": 5 * layers, "next_step": 4, "__init__": 1}
+    # _run_fitted: decode_plan has just compared the layer's tensors with the plan
+    assert calls == {"run": 0, "_run_fitted": 5 * layers, "next_step": 4, "__init__": 1}
 
 
 def _counting(calls: dict, name: str, f):
@@ -474,15 +475,18 @@ def _counting(calls: dict, name: str, f):
     return counted
 
 
-def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, nheads_k=2, headdim=16):
+def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, nheads_k=2, headdim=16,
+                  grow: list[int] | None = None, dtypes: list | None = None):
     """Per step: (q, k, v, bool mask) as transformers' eager generate() hands them to a layer, the
-    cache one key longer each step and fresh tensors (DynamicCache's torch.cat): step t's rows
-    have pads[t] left padding slots, its batch batch_sizes[t]; padding slots of k, v hold NaN."""
+    cache one key longer each step (``grow``: per step, how many more) and fresh tensors
+    (DynamicCache's torch.cat): step t's rows have pads[t] left padding slots, its batch
+    batch_sizes[t], its dtype dtypes[t] (float32); padding slots of k, v hold NaN."""
     steps, seen = [], 9
-    for pad, batch in zip(pads, batch_sizes):
-        seen += 1
-        q = torch.randn(batch, nheads, 1, headdim, generator=gen)
-        k, v = (torch.randn(batch, nheads_k, seen, headdim, generator=gen) for _ in "kv")
+    grow, dtypes = grow or [1] * len(pads), dtypes or [torch.float32] * len(pads)
+    for pad, batch, more, dtype in zip(pads, batch_sizes, grow, dtypes):
+        seen += more
+        q = torch.randn(batch, nheads, 1, headdim, generator=gen).to(dtype)
+        k, v = (torch.randn(batch, nheads_k, seen, headdim, generator=gen).to(dtype) for _ in "kv")
         mask = torch.arange(seen)[None] >= torch.tensor(pad)[:, None]
         for t in (k, v):
             t.masked_fill_(~mask[:, None, :, None], float("nan"))
@@ -490,12 +494,18 @@ def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, 
     return steps
 
 
-# step by step: the left pads of each row and the batch; the plan carried on from step to step,
-# or made anew where the batch changes (and carried on again after)
+# step by step: the left pads of each row and the batch (and optionally _decode_steps' other
+# arguments); the plan carried on from step to step, or made anew where the batch or the dtype
+# changes (and carried on again after)
 CARRIED_STEPS = {
     "generate": ([[3, 0, 7]] * 4, [3] * 4),
     "padding changes": ([[3, 0, 7], [3, 0, 7], [0, 5, 2], [0, 5, 2]], [3] * 4),
     "batch changes": ([[3, 0, 7], [3, 0, 7], [1, 4], [1, 4]], [3, 3, 2, 2]),
+    "cache grows by several keys": ([[3, 0, 7], [3, 0, 7], [4, 1, 8], [0, 0, 2]], [3] * 4, dict(grow=[1, 3, 2, 1])),
+    "dtype changes": ([[3, 0, 7]] * 4, [3] * 4,
+                      dict(dtypes=[torch.float32, torch.float32, torch.float16, torch.float16])),
+    # the packed keys' head stride, 40 x the slot count: a multiple of 16 at every other step
+    "head stride class changes": ([[3, 0, 7]] * 4, [3] * 4, dict(headdim=40)),
 }
 
 
@@ -507,13 +517,16 @@ def test_decoding_steps_carry_their_plan_exactly(device, monkeypatch, case, wind
     equals, bit for bit, what a plan made anew for the step gives (the same kernels), and the
     float64 reference over the row's real keys. A step whose batch changed makes a new plan;
     one whose padding changed carries the plan on over the new pads."""
-    pads, batches = CARRIED_STEPS[case]
+    from tileattn.gpu import attention as A
+
+    pads, batches, more = (*CARRIED_STEPS[case], {})[:3]
     gen = torch.Generator().manual_seed(41)
-    steps = _decode_steps(gen, pads, batches)
+    steps = _decode_steps(gen, pads, batches, **more)
     kwargs = dict(scaling=0.3, sliding_window=window)
     fresh = []
-    for q, k, v, mask in steps:  # each step's plan made anew, with no plan to carry on
+    for q, k, v, mask in steps:  # each step's plan made anew, with no plan (nor launch plan) to carry on
         monkeypatch.setattr(tt, "_STEP_PLANS", {})
+        A.clear_plans()
         mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask)
         fresh.append(tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, **kwargs)[0])
     monkeypatch.setattr(tt, "_STEP_PLANS", {})
@@ -526,7 +539,8 @@ def test_decoding_steps_carry_their_plan_exactly(device, monkeypatch, case, wind
         again, _ = tt.tileattn_attention_forward(_Layer(), q, k.clone(), v.clone(), mask_arg, **kwargs)  # layer 2
         assert torch.equal(out, fresh[t]) and torch.equal(again, out), f"step {t}"
         _assert_rows_exact(out, q, k, v, mask, scaling=0.3, window=window, softcap=None)
-    renewed = sum(a != b for a, b in zip(batches[1:], batches[:-1]))  # next_step makes a new plan
+    kinds = [(q.shape[0], q.dtype) for q, *_ in steps]
+    renewed = sum(a != b for a, b in zip(kinds[1:], kinds[:-1]))  # next_step makes a new plan
     assert calls == {"next_step": len(steps) - 1, "__init__": 1 + renewed}
 
 

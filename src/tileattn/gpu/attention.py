@@ -340,7 +340,11 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
     A dense call with a fixed split count (``flash_attn_func``, as transformers calls it with a
     KV cache that grows every step) names its keys' length only by ``length_bucket`` and their
     strides only by how Triton classifies them (``_stride_class``): its plan takes the rest per
-    call, so a growing cache does not make a new plan every step. A dense call's max_seqlen_q/k
+    call, so a growing cache does not make a new plan every step. Packed keys that are not paged,
+    with a max_seqlen_k (a ``DecodePlan`` over transformers' left-padded caches reads every row in
+    place: the packed view's token count and head stride grow every step), are named alike: their
+    count is never read (the kernel reads each sequence's keys by cu_seqlens_k and seqused_k,
+    max_seqlen_k bounds them) and their strides only by class, taken per call. A dense call's max_seqlen_q/k
     (the public functions pass its shapes) say nothing the shapes do not: they are left out;
     a packed or paged call's are rounded up to a power of two (``_bound``).
 
@@ -363,6 +367,10 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
         kv = (k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
               _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(ks[2]),
               _stride_class(vs[0]), _stride_class(vs[1]), _stride_class(vs[2]))
+    elif cu_seqlens_q is not None and block_table is None and max_seqlen_k > 0:  # packed (tokens, Hk, D)
+        ks, vs = k.stride(), v.stride()
+        kv = (k.shape[1:], v.shape[1:], _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(vs[0]),
+              _stride_class(vs[1]))
     else:
         kv = (k.shape, k.stride(), v.shape, v.stride())
     return (q.shape, q.stride(), kv, out.stride(), lse.stride(),
@@ -397,10 +405,14 @@ class FwdPlan:
          q_dtype, k_dtype, v_dtype, o_dtype, l_dtype, device,
          alibi, cu_q, cu_k, seqused, table, sink, descale, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, (has_softcap, precise_tanh), has_dropout, v_is_k) = key
-        self.kv_per_call = len(kv) > 4  # dense keys whose length and strides come with each call
-        if self.kv_per_call:  # the strides' classes stand in for them (``_stride_class``), length 0
+        # keys whose strides (dense: and length) come with each call: "dense" or "packed", else None
+        self.kv_per_call = {10: "dense", 6: "packed"}.get(len(kv))
+        if self.kv_per_call == "dense":  # the strides' classes stand in for them (``_stride_class``), length 0
             k_shape, v_shape = (kv[0], 0, *kv[1]), (kv[0], 0, *kv[2])
             k_stride, v_stride, bucket = kv[4:7], kv[7:10], kv[3]
+        elif self.kv_per_call == "packed":  # the same, token count 0 (max_seqlen_k bounds the keys)
+            k_shape, v_shape = (0, *kv[0]), (0, *kv[1])
+            k_stride, v_stride = (kv[2], kv[3], 1), (kv[4], kv[5], 1)
         else:
             k_shape, k_stride, v_shape, v_stride = kv
         varlen = cu_q is not None
@@ -563,7 +575,8 @@ class FwdPlan:
                                          self._merged_signature)
         elif autotune_enabled():
             self.fwd = None  # until the autotuner has chosen for this tune key (``_tuned_launch``)
-            self.tuned = _attn_fwd_tuned(bucket if self.kv_per_call else length_bucket(seqlen_q, seqlen_k))
+            self.tuned = _attn_fwd_tuned(bucket if self.kv_per_call == "dense" else
+                                         length_bucket(seqlen_q, seqlen_k))
             self.tune_key = tuple(flags[name] for name in _TUNE_KEY) + (q_dtype,)
         else:  # the first config that fits in shared memory
             self._use_config(_prune_configs(_prefill_configs(), {"Q": torch.empty((), dtype=q_dtype)},
@@ -619,10 +632,13 @@ class FwdPlan:
     def call_ints(self, k, v) -> tuple:
         """The integer arguments of a launch on these keys and values: ``ints``, with the call's own
         key and value strides (k then v, 3 each) and key length when the plan takes them per call."""
-        ints = self.ints
-        if self.kv_per_call:
+        ints, per_call = self.ints, self.kv_per_call
+        if per_call == "dense":
             ks, vs, i, n = k.stride(), v.stride(), _K_INTS, _SEQLEN_K_INT
             ints = (*ints[:i], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *ints[i + 6:n], k.shape[1], *ints[n + 1:])
+        elif per_call == "packed":  # (tokens, Hk, D): batch stride 0, as the plan has it
+            ks, vs, i = k.stride(), v.stride(), _K_INTS
+            ints = (*ints[:i], 0, ks[0], ks[1], 0, vs[0], vs[1], *ints[i + 6:])
         return ints
 
     def run_partials(self, q, k, v, params: AttnParams, seqused_k, block_table, o_parts, lse_parts, k_descale=None,

@@ -216,7 +216,8 @@ def _padded_attention(q, k, v, attention_mask: torch.Tensor, options: dict) -> t
     if options["dropout_p"] == 0 and not _needs_graph(q, k, v, options.get("learnable_sink")):
         plan = _mask_runs(attention_mask).decode_plan(q, k, v, options)
         if plan is not None:  # every query real, each row's keys one run ending at its last query
-            return plan.run(q, k, v, learnable_sink=options.get("learnable_sink"))
+            # decode_plan compared q, k, v with the plan (or made it from them)
+            return plan._run_fitted(q, k, v, learnable_sink=options.get("learnable_sink"))
     packing = _packing(attention_mask, q.device, seqlen_q, seqlen_k, keys_only)
     return _unpadded_attention(q, k, v, packing, options)
 
@@ -264,7 +265,7 @@ class _Runs:
         mask = attention_mask
         real = mask == 1 if mask.dtype == torch.int8 else mask.to(torch.bool)
         count = real.sum(1)
-        first = real.to(torch.uint8).argmax(1)  # the first real slot (0 for a row without one)
+        first = real.view(torch.uint8).argmax(1)  # the first real slot (0 for a row without one)
         filled = (mask != _NOT_FILLED).sum(1) if mask.dtype == torch.int8 else torch.full_like(count, mask.shape[1])
         self.tensor = torch.stack([filled, first, count])  # (3, batch) on the mask's device
         self.filled, self.first, self.count = self.tensor.tolist()
@@ -290,7 +291,8 @@ class _Runs:
                None if sink is None else (sink.shape, sink.dtype, sink.device))
         plan = self.plans.get(key)
         if plan is None or not plan.fits(q, k, v):
-            seqlens, leftpad = self.tensor[:2].to(device=q.device, dtype=torch.int32)
+            lengths = self.tensor.to(device=q.device, dtype=torch.int32)  # (filled, first, count)
+            seqlens, leftpad = lengths[0], lengths[1]
             # read on the host (filled, first): the plan checks them there, launching no check
             vouch_lengths(seqlens, leftpad, self.filled)
             last = _STEP_PLANS.get(key)

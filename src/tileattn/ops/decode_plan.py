@@ -12,12 +12,12 @@ all of it and works the launch out on every call; a serving loop can do that onc
 ``plan.run(...)`` returns what ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...,
 cache_seqlens=cache_seqlens, block_table=block_table, ...)`` returns, bit for bit. The plan
 checks the inputs and the cache lengths and table once, works out the split layout and the
-kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once (the
-layers run one after the other on the stream, so they share it); ``run`` only compares each
-layer's tensors with the planned shapes and launches: the append of the new keys (rotated
-when asked) and attention, no host-device synchronisation, so a step can be captured in a
-CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the step's, given to the plan. Not
-planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
+kernels (``tileattn.gpu.attention.plan_fwd``) and allocates the split workspace once, and the
+lse when it is not returned (the layers run one after the other on the stream, so they share
+them); ``run`` only compares each layer's tensors with the planned shapes and launches: the
+append of the new keys (rotated when asked) and attention, no host-device synchronisation, so
+a step can be captured in a CUDA graph. An FP8 cache's ``k_descale``/``v_descale`` are the
+step's, given to the plan. Not planned: ``cache_batch_idx`` (use ``flash_attn_with_kvcache``).
 
 A plan is one step's: it checks the step's lengths and block table (against the cache's capacity,
 the rotary tables) when it is made, not in ``run``. ``run`` reads ``cache_seqlens`` as it is then
@@ -234,6 +234,16 @@ class DecodePlan:
             V.fail(ValueError, "q, k_cache, v_cache differ from the tensors the plan was made with (shape, strides, "
                                "dtype, device, or whether v_cache is a view of k_cache's leading columns): make a "
                                "new DecodePlan")
+        return self._run(q, k_cache, v_cache, k, v, learnable_sink)
+
+    def _run_fitted(self, q, k_cache, v_cache, k=None, v=None, learnable_sink=None):
+        """``run`` for a caller that has just asked ``fits(q, k_cache, v_cache)`` (True) or made the
+        plan (or ``next_step``'s) from these very tensors: their signature is not compared again.
+        Everything else ``run`` checks is checked. Private: for tileattn's own callers (transformers'
+        integration), which make that comparison themselves; users call ``run``."""
+        return self._run(V.last_dim_contiguous(q), k_cache, v_cache, k, v, learnable_sink)
+
+    def _run(self, q, k_cache, v_cache, k, v, learnable_sink):
         if (learnable_sink is not None) != self.sinks:
             V.fail(ValueError, "the plan was made with learnable_sink: pass each layer's" if self.sinks else
                                "the plan was made without learnable_sink: make one with sinks")
@@ -256,7 +266,9 @@ class DecodePlan:
         q, k_cache, v_cache, cu_q, cu_k, seqused_k = self._operands(q, k_cache, v_cache, seqused_k)
         if self._fwd is not None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+            # the lse nobody reads: the plan's (runs, like the split workspace, follow each other on the stream)
+            lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device) if self.return_softmax_lse \
+                else self._outputs[1]
             self._fwd.run(q, k_cache, v_cache, out, lse, self.params, self.alibi, cu_q, cu_k, seqused_k,
                           self.block_table, self._workspace, learnable_sink=sink, k_descale=self.descales[0],
                           v_descale=self.descales[1])
