@@ -697,3 +697,56 @@ def test_segmented_path_keeps_every_query_of_a_cross_attention(cpu_backend):
             assert_within(f"row {b}", exact[b:b + 1], plain, ref)
         segmented = tt._segmented_attention(q, k, v, keys_real, None, options)
         torch.testing.assert_close(segmented, exact, rtol=0, atol=1e-6)
+
+
+def test_two_threads_decoding_at_once_share_no_split_workspace(monkeypatch):
+    """Two generate() calls in two threads, with the same shapes and options: one thread's step
+    must not carry on the other's plan (``_STEP_PLANS``), whose split workspace it would then
+    share while both are in flight. The launches interleave here as two threads' launches may on
+    one stream: both split launches, then both combines; each thread's output must be its own."""
+    import threading
+    import time
+
+    from tileattn.gpu import attention as A
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    monkeypatch.setattr(A, "_auto_splits", lambda *a, **kw: 2)  # split launches on CPU tensors too
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(44)
+    steps = _decode_steps(gen, [[3, 0, 7], [1, 4, 2]], [3, 3])
+
+    def step(i, outs):
+        q, k, v, mask = steps[i]
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+        outs[i] = tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)[0]
+
+    want = {}
+    for i in range(2):  # each alone
+        monkeypatch.setattr(tt, "_STEP_PLANS", {})
+        step(i, want)
+    assert not torch.equal(want[0], want[1])
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    barrier, lock, run = threading.Barrier(2, timeout=120), threading.Lock(), A.FwdPlan.run
+
+    def interleaved(self, q, k, v, out, lse, params, alibi, cu_q, cu_k, used, table, workspace=None, **kw):
+        run(self, q, k, v, out, lse, params, alibi, cu_q, cu_k, used, table, workspace, combine=False, **kw)
+        barrier.wait()  # the other thread's split launch too, before either combine
+        with lock:
+            self.combine(self.combine_grid, *workspace, out, lse, kw.get("learnable_sink"), *self.combine_ints)
+
+    monkeypatch.setattr(A.FwdPlan, "run", interleaved)
+    got = {}
+    try:
+        first = threading.Thread(target=step, args=(0, got))
+        first.start()
+        deadline = time.monotonic() + 120
+        while barrier.n_waiting < 1 and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first thread's plan made, its split launch done
+        second = threading.Thread(target=step, args=(1, got))
+        second.start()
+        first.join()
+        second.join()
+    finally:
+        A.clear_plans()  # no split plan made under the patched split count for later tests
+    assert set(got) == {0, 1}
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
