@@ -750,3 +750,21 @@ def test_two_threads_decoding_at_once_share_no_split_workspace(monkeypatch):
         A.clear_plans()  # no split plan made under the patched split count for later tests
     assert set(got) == {0, 1}
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_step_carries_on_only_its_own_threads_and_streams_plan(device, monkeypatch):
+    """``_STEP_PLANS`` hands a step the last plan of the same owner (``_step_owner``: the thread, and
+    on a GPU the current stream) only: a step of another owner makes its plan anew (it would share
+    the split workspace of a generate() that may be in flight), and its own next step carries on."""
+    gen = torch.Generator().manual_seed(45)
+    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
+    owners = iter([("thread a", 0), ("thread a", 7), ("thread a", 7)])  # the second step on another stream
+    monkeypatch.setattr(tt, "_step_owner", lambda device: next(owners))
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    calls = {"next_step": 0, "__init__": 0}
+    for name in calls:
+        monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
+    for q, k, v, mask in steps:
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+        tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)
+    assert calls == {"next_step": 1, "__init__": 2}

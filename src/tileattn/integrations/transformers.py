@@ -251,10 +251,17 @@ def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
 
 
 # The latest decoding plan of each set of options (``_Runs.decode_plan``'s key), with the thread
-# that made it: the next step's plan, for the next mask, continues it (``DecodePlan.next_step``:
-# only what the step's longer caches and new lengths change is worked out again) in that thread
-# only (a continued plan shares the split workspace: another thread's generate() may be in flight).
+# (and on a GPU the stream) that made it: the next step's plan, for the next mask, continues it
+# (``DecodePlan.next_step``: only what the step's longer caches and new lengths change is worked out
+# again) on that thread and stream only (a continued plan shares the split workspace: another
+# thread's or stream's generate() may be in flight).
 _STEP_PLANS: dict = {}
+
+
+def _step_owner(device) -> tuple:
+    """(thread, current stream on a GPU else 0): who may carry a step's plan on (``_STEP_PLANS``)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    return threading.get_ident(), stream
 
 
 class _Runs:
@@ -297,9 +304,9 @@ class _Runs:
             seqlens, leftpad = lengths[0], lengths[1]
             # read on the host (filled, first): the plan checks them there, launching no check
             vouch_lengths(seqlens, leftpad, self.filled)
-            thread = threading.get_ident()
+            owner = _step_owner(q.device)
             last = _STEP_PLANS.get(key)
-            last = last[1] if last is not None and last[0] == thread else None
+            last = last[1] if last is not None and last[0] == owner else None
             if last is None:
                 plan = DecodePlan(q, k, v, seqlens, cache_leftpad=leftpad, softmax_scale=options["softmax_scale"],
                                   causal=options["causal"], window_size=options["window_size"],
@@ -307,7 +314,7 @@ class _Runs:
             else:  # the same options: what the DecodePlan above would be (a new one unless only the caches grew)
                 plan = last.next_step(q, k, v, seqlens, cache_leftpad=leftpad)
             self.plans[key] = plan
-            _STEP_PLANS[key] = (thread, plan)
+            _STEP_PLANS[key] = (owner, plan)
         return plan
 
 
