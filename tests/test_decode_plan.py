@@ -263,6 +263,29 @@ def test_next_step_checks_the_new_lengths_and_caches():
         plan.next_step(q2, k2, v2, lens2, cache_leftpad=pads2)
 
 
+@pytest.mark.parametrize("kind", ["paged", "fp8", "paged fp8"])
+def test_next_step_of_a_plan_with_a_block_table_or_descales_keeps_them(device, kind):
+    """A plan with a block table or FP8 descales is carried on by a plan made anew (``next_step``'s
+    docstring): what ``DecodePlan`` makes with the new lengths and this plan's other arguments, the
+    block table and descales among them, not a plan that reads the pool as a contiguous cache (or
+    refuses an FP8 cache for want of descales)."""
+    gen = torch.Generator().manual_seed(88)
+    paged, fp8 = "paged" in kind, "fp8" in kind
+    lens, table, layers = _layers(gen, 1, 3, 32, paged, device, torch.bfloat16 if fp8 else torch.float16)
+    q, k_cache, v_cache, _, _ = layers[0]
+    opts = dict(causal=True)
+    if fp8:
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        opts.update(k_descale=(0.005 + 0.01 * torch.rand(3, 2, generator=gen)).to(device),
+                    v_descale=(0.005 + 0.01 * torch.rand(3, 2, generator=gen)).to(device))
+    plan = tileattn.DecodePlan(q, k_cache, v_cache, lens, table, **opts)
+    shorter = lens - 1
+    got = plan.next_step(q, k_cache, v_cache, shorter).run(q, k_cache, v_cache)
+    want = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=shorter, block_table=table, **opts)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not got.isnan().any()
+
+
 def test_plan_rejects_a_layer_it_was_not_made_for():
     gen = torch.Generator().manual_seed(82)
     lens, _, layers = _layers(gen, 1, 2, 32, False, "cpu", torch.float32)

@@ -697,3 +697,74 @@ def test_segmented_path_keeps_every_query_of_a_cross_attention(cpu_backend):
             assert_within(f"row {b}", exact[b:b + 1], plain, ref)
         segmented = tt._segmented_attention(q, k, v, keys_real, None, options)
         torch.testing.assert_close(segmented, exact, rtol=0, atol=1e-6)
+
+
+def test_two_threads_decoding_at_once_share_no_split_workspace(monkeypatch):
+    """Two generate() calls in two threads, with the same shapes and options: one thread's step
+    must not carry on the other's plan (``_STEP_PLANS``), whose split workspace it would then
+    share while both are in flight. The launches interleave here as two threads' launches may on
+    one stream: both split launches, then both combines; each thread's output must be its own."""
+    import threading
+    import time
+
+    from tileattn.gpu import attention as A
+
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")
+    monkeypatch.setattr(A, "_auto_splits", lambda *a, **kw: 2)  # split launches on CPU tensors too
+    A.clear_plans()
+    gen = torch.Generator().manual_seed(44)
+    steps = _decode_steps(gen, [[3, 0, 7], [1, 4, 2]], [3, 3])
+
+    def step(i, outs):
+        q, k, v, mask = steps[i]
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+        outs[i] = tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)[0]
+
+    want = {}
+    for i in range(2):  # each alone
+        monkeypatch.setattr(tt, "_STEP_PLANS", {})
+        step(i, want)
+    assert not torch.equal(want[0], want[1])
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    barrier, lock, run = threading.Barrier(2, timeout=120), threading.Lock(), A.FwdPlan.run
+
+    def interleaved(self, q, k, v, out, lse, params, alibi, cu_q, cu_k, used, table, workspace=None, **kw):
+        run(self, q, k, v, out, lse, params, alibi, cu_q, cu_k, used, table, workspace, combine=False, **kw)
+        barrier.wait()  # the other thread's split launch too, before either combine
+        with lock:
+            self.combine(self.combine_grid, *workspace, out, lse, kw.get("learnable_sink"), *self.combine_ints)
+
+    monkeypatch.setattr(A.FwdPlan, "run", interleaved)
+    got = {}
+    try:
+        first = threading.Thread(target=step, args=(0, got))
+        first.start()
+        deadline = time.monotonic() + 120
+        while barrier.n_waiting < 1 and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first thread's plan made, its split launch done
+        second = threading.Thread(target=step, args=(1, got))
+        second.start()
+        first.join()
+        second.join()
+    finally:
+        A.clear_plans()  # no split plan made under the patched split count for later tests
+    assert set(got) == {0, 1}
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_step_carries_on_only_its_own_threads_and_streams_plan(device, monkeypatch):
+    """``_STEP_PLANS`` hands a step the last plan of the same owner (``_step_owner``: the thread, and
+    on a GPU the current stream) only: a step of another owner makes its plan anew (it would share
+    the split workspace of a generate() that may be in flight), and its own next step carries on."""
+    gen = torch.Generator().manual_seed(45)
+    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
+    owners = iter([("thread a", 0), ("thread a", 7), ("thread a", 7)])  # the second step on another stream
+    monkeypatch.setattr(tt, "_step_owner", lambda device: next(owners))
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    calls = {"next_step": 0, "__init__": 0}
+    for name in calls:
+        monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
+    for q, k, v, mask in steps:
+        mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+        tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)
+    assert calls == {"next_step": 1, "__init__": 2}

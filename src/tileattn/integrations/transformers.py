@@ -59,6 +59,7 @@ instead; ``register`` refuses them).
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -249,10 +250,18 @@ def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
     return result
 
 
-# The latest decoding plan of each set of options (``_Runs.decode_plan``'s key): the next step's
-# plan, for the next mask, continues it (``DecodePlan.next_step``: only what the step's longer
-# caches and new lengths change is worked out again).
+# The latest decoding plan of each set of options (``_Runs.decode_plan``'s key), with the thread
+# (and on a GPU the stream) that made it: the next step's plan, for the next mask, continues it
+# (``DecodePlan.next_step``: only what the step's longer caches and new lengths change is worked out
+# again) on that thread and stream only (a continued plan shares the split workspace: another
+# thread's or stream's generate() may be in flight).
 _STEP_PLANS: dict = {}
+
+
+def _step_owner(device) -> tuple:
+    """(thread, current stream on a GPU else 0): who may carry a step's plan on (``_STEP_PLANS``)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    return threading.get_ident(), stream
 
 
 class _Runs:
@@ -295,14 +304,17 @@ class _Runs:
             seqlens, leftpad = lengths[0], lengths[1]
             # read on the host (filled, first): the plan checks them there, launching no check
             vouch_lengths(seqlens, leftpad, self.filled)
+            owner = _step_owner(q.device)
             last = _STEP_PLANS.get(key)
+            last = last[1] if last is not None and last[0] == owner else None
             if last is None:
                 plan = DecodePlan(q, k, v, seqlens, cache_leftpad=leftpad, softmax_scale=options["softmax_scale"],
                                   causal=options["causal"], window_size=options["window_size"],
                                   softcap=options["softcap"], learnable_sink=sink)
             else:  # the same options: what the DecodePlan above would be (a new one unless only the caches grew)
                 plan = last.next_step(q, k, v, seqlens, cache_leftpad=leftpad)
-            self.plans[key] = _STEP_PLANS[key] = plan
+            self.plans[key] = plan
+            _STEP_PLANS[key] = (owner, plan)
         return plan
 
 

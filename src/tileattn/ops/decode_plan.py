@@ -79,7 +79,8 @@ class DecodePlan:
         self._options = dict(seqlen_new=seqlen_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                              rotary_interleaved=rotary_interleaved, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                             return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink)  # for next_step
+                             return_softmax_lse=return_softmax_lse, learnable_sink=learnable_sink,
+                             block_table=block_table, k_descale=k_descale, v_descale=v_descale)  # for next_step
         seqlen_new = V.integer("seqlen_new", seqlen_new, 0)
         if seqlen_new:  # every layer's caches have these strides (``run`` checks them)
             V.check_writable("k_cache", k_cache)
