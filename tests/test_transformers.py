@@ -758,7 +758,7 @@ def test_a_step_carries_on_only_its_own_threads_and_streams_plan(device, monkeyp
     the split workspace of a generate() that may be in flight), and its own next step carries on."""
     gen = torch.Generator().manual_seed(45)
     steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
-    owners = iter([("thread a", 0), ("thread a", 7), ("thread a", 7)])  # the second step on another stream
+    owners = iter([("thread a", 0, False), ("thread a", 7, False), ("thread a", 7, False)])  # step 2: another stream
     monkeypatch.setattr(tt, "_step_owner", lambda device: next(owners))
     monkeypatch.setattr(tt, "_STEP_PLANS", {})
     calls = {"next_step": 0, "__init__": 0}
@@ -768,3 +768,20 @@ def test_a_step_carries_on_only_its_own_threads_and_streams_plan(device, monkeyp
         mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
         tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)
     assert calls == {"next_step": 1, "__init__": 2}
+
+
+def test_a_plan_made_under_inference_mode_is_not_carried_out_of_it(device, monkeypatch):
+    """A step outside ``torch.inference_mode`` makes its plan anew rather than carry on one made
+    under it (whose workspace, an inference tensor, it may not write), and a step back under it does
+    not carry on the plan made outside."""
+    gen = torch.Generator().manual_seed(46)
+    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
+    monkeypatch.setattr(tt, "_STEP_PLANS", {})
+    calls = {"next_step": 0, "__init__": 0}
+    for name in calls:
+        monkeypatch.setattr(DecodePlan, name, _counting(calls, name, getattr(DecodePlan, name)))
+    for t, (q, k, v, mask) in enumerate(steps):
+        with torch.inference_mode(t != 1):
+            mask_arg = tt.tileattn_mask(q.shape[0], 1, k.shape[2], k.shape[2] - 1, attention_mask=mask.clone())
+            tt.tileattn_attention_forward(_Layer(), q, k, v, mask_arg, scaling=0.3)
+    assert calls == {"next_step": 0, "__init__": 3}

@@ -251,7 +251,7 @@ def _reused(kind: str, source: torch.Tensor, key: tuple, compute):
 
 
 # The latest decoding plan of each set of options (``_Runs.decode_plan``'s key), with the thread
-# (and on a GPU the stream) that made it: the next step's plan, for the next mask, continues it
+# (on a GPU the stream, and whether under inference mode) that made it: the next step's plan, for the next mask, continues it
 # (``DecodePlan.next_step``: only what the step's longer caches and new lengths change is worked out
 # again) on that thread and stream only (a continued plan shares the split workspace: another
 # thread's or stream's generate() may be in flight).
@@ -259,9 +259,11 @@ _STEP_PLANS: dict = {}
 
 
 def _step_owner(device) -> tuple:
-    """(thread, current stream on a GPU else 0): who may carry a step's plan on (``_STEP_PLANS``)."""
+    """(thread, current stream on a GPU else 0, inference mode): who may carry a step's plan on
+    (``_STEP_PLANS``). A plan made under ``torch.inference_mode`` holds inference tensors (its
+    workspace) that a step outside it may not write."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    return threading.get_ident(), stream
+    return threading.get_ident(), stream, torch.is_inference_mode_enabled()
 
 
 class _Runs:
