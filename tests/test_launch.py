@@ -699,3 +699,30 @@ def test_each_gpu_of_the_process_gets_its_own_kept_handle(jit, monkeypatch):
     assert len(jit.slow) == 3 and launch.fast_calls == 2
     assert [call[4] for call in jit.fast] == ["device 1", "device 0"]
     assert [call[12] for call in jit.fast] == [4, 5]
+
+
+def test_a_gpu_of_another_model_keeps_going_through_triton(jit, monkeypatch):
+    """A kept launch does not keep the handle of a kernel built for another target (a second GPU of
+    another model in the process): the C launcher and flags it keeps are the first GPU's."""
+    from types import SimpleNamespace
+
+    targets = iter(["sm_90", "sm_80", "sm_80"])
+
+    def run(grid):
+        def compiled(*args, **meta):
+            jit.slow.append((grid, args, meta))
+            kernel = _Compiled(jit.fast)
+            kernel.metadata = SimpleNamespace(target=next(targets))
+            return kernel
+        return compiled
+
+    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: run(grid))
+    device = [0]
+    monkeypatch.setattr(L, "_current_device", lambda: device[0])
+    launch = L.Launch(jit, {"BLOCK": 16}, {})
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch(G, x, y, 5, 3)
+    device[0] = 1
+    launch(G, x, y, 5, 3)
+    launch(G, x, y, 5, 4)
+    assert launch.elsewhere == {} and len(jit.slow) == 3 and launch.fast_calls == 0

@@ -19,7 +19,8 @@ call to call must be ones the kernel does not specialise (``do_not_specialize``)
 unspecialised integers, and that no profiler hook is installed (``knobs.runtime.launch_enter_hook``),
 and takes the kernel's handle for the current device: the first call on each further GPU of the
 process goes through Triton, which loads the kernel there, and its handle is kept beside the first
-(``Launch.elsewhere``). Anything else goes through Triton as before. Under
+(``Launch.elsewhere``) when it was built for the same target (the same GPU model: the C launcher and its
+flags, kept from the first, are then its own too). Anything else goes through Triton as before. Under
 ``TRITON_INTERPRET=1`` there is no compiled kernel and every call takes Triton's path.
 
 A kernel that takes TMA descriptors (the Gluon kernels) has a Python wrapper between
@@ -178,6 +179,11 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _target(compiled) -> object:
+    """The GPU target a compiled kernel was built for (another GPU model of the process compiles its own)."""
+    return getattr(getattr(compiled, "metadata", None), "target", None)
+
+
 def _current_device() -> int:
     return torch.cuda.current_device()
 
@@ -282,7 +288,8 @@ class Launch:
             return  # the interpreter
         if self.compiled is not None:  # kept: on another GPU, keep that GPU's handle of the same kernel
             device = _current_device()
-            if device != self.device and device not in self.elsewhere and self._vouched(args):
+            if (device != self.device and device not in self.elsewhere and self._vouched(args)
+                    and _target(compiled) == _target(self.compiled)):  # the C launcher and flags kept are its too
                 compiled.run  # noqa: B018 (loads the module and function handles on this GPU now)
                 self.elsewhere[device] = compiled
             return
