@@ -668,23 +668,33 @@ def test_a_launch_names_every_constexpr():
         L.launch_for(_combine_kernel, partial, dict(num_warps=combine.COMBINE_NUM_WARPS), key)
 
 
-def test_each_gpu_of_the_process_gets_its_own_kept_handle(jit, monkeypatch):
-    """A kept launch called on another GPU goes through Triton once there (which loads the kernel on
-    that GPU), then launches directly with that GPU's handle; each GPU keeps launching its own. A
-    call Triton compiles differently (an unaligned pointer) is not kept as a GPU's handle."""
-    handles = iter(["device 0", "device 1, unaligned", "device 1"])  # the handles Triton's calls return, in turn
+def _gpus(jit, monkeypatch, kernels):
+    """Triton's calls return, in turn, stand-in kernels with the (handle, target) pairs of ``kernels``;
+    returns the one-element list whose value is the current device (0 at first)."""
+    from types import SimpleNamespace
+
+    kernels = iter(kernels)
 
     def run(grid):
         def compiled(*args, **meta):
             jit.slow.append((grid, args, meta))
             kernel = _Compiled(jit.fast)
-            kernel.function = next(handles)
+            kernel.function, target = next(kernels)
+            kernel.metadata = SimpleNamespace(target=target)
             return kernel
         return compiled
 
     monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: run(grid))
     device = [0]
     monkeypatch.setattr(L, "_current_device", lambda: device[0])
+    return device
+
+
+def test_each_gpu_of_the_process_gets_its_own_kept_handle(jit, monkeypatch):
+    """A kept launch called on another GPU goes through Triton once there (which loads the kernel on
+    that GPU), then launches directly with that GPU's handle; each GPU keeps launching its own. A
+    call Triton compiles differently (an unaligned pointer) is not kept as a GPU's handle."""
+    device = _gpus(jit, monkeypatch, [("device 0", "sm_90"), ("device 1, unaligned", "sm_90"), ("device 1", "sm_90")])
     launch = L.Launch(jit, {"BLOCK": 16}, {})
     buf = torch.zeros(64)
     x, y = buf[:8], buf[8:16]
@@ -704,21 +714,7 @@ def test_each_gpu_of_the_process_gets_its_own_kept_handle(jit, monkeypatch):
 def test_a_gpu_of_another_model_keeps_going_through_triton(jit, monkeypatch):
     """A kept launch does not keep the handle of a kernel built for another target (a second GPU of
     another model in the process): the C launcher and flags it keeps are the first GPU's."""
-    from types import SimpleNamespace
-
-    targets = iter(["sm_90", "sm_80", "sm_80"])
-
-    def run(grid):
-        def compiled(*args, **meta):
-            jit.slow.append((grid, args, meta))
-            kernel = _Compiled(jit.fast)
-            kernel.metadata = SimpleNamespace(target=next(targets))
-            return kernel
-        return compiled
-
-    monkeypatch.setattr(_Jit, "__getitem__", lambda self, grid: run(grid))
-    device = [0]
-    monkeypatch.setattr(L, "_current_device", lambda: device[0])
+    device = _gpus(jit, monkeypatch, [("device 0", "sm_90"), ("device 1", "sm_80"), ("device 1", "sm_80")])
     launch = L.Launch(jit, {"BLOCK": 16}, {})
     x, y = torch.zeros(8), torch.zeros(8)
     launch(G, x, y, 5, 3)
