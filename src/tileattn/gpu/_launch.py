@@ -44,6 +44,7 @@ __all__ = ["Launch", "arg_classes", "cdiv", "config_options", "contiguous_stride
            "next_power_of_2"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
 def index_offsets_fit_int32(t: torch.Tensor, dim: int, count: int) -> bool:
@@ -51,7 +52,6 @@ def index_offsets_fit_int32(t: torch.Tensor, dim: int, count: int) -> bool:
     index, a tile's row) stays in range: a contiguous tensor's heads do, the heads of a view that
     lie 2**31 elements apart or more (heads first, transposed) do not."""
     return t.stride(dim) * max(count - 1, 0) <= _I32_MAX
-_ENTER_HOOKS, _EXIT_HOOKS = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
 _LAUNCHES: dict[tuple, "Launch"] = {}
