@@ -344,17 +344,19 @@ class _Layer(torch.nn.Module):
     is_causal = True
 
 
-def _hf_inputs(gen, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim=16):
+def _hf_inputs(gen, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim=16, device="cpu"):
     """q (batch, nheads, seqlen_q, headdim), k, v (batch, nheads_k, seqlen_k, headdim): the layouts
     transformers hands over (its caches are contiguous in that order)."""
-    return (torch.randn(batch, nheads, seqlen_q, headdim, generator=gen),
-            *(torch.randn(batch, nheads_k, seqlen_k, headdim, generator=gen) for _ in range(2)))
+    return (torch.randn(batch, nheads, seqlen_q, headdim, generator=gen).to(device),
+            *(torch.randn(batch, nheads_k, seqlen_k, headdim, generator=gen).to(device) for _ in range(2)))
 
 
 def _assert_rows_exact(out, q, k, v, keys_real, *, scaling, window, softcap, sinks=None):
     """Each row's real queries (among the last seqlen_q key slots: with left padding, a tail of
     them) against the float64 reference over the row's real keys alone, by the tolerance rule
-    (plain float32 attention sets the budget); padded query rows must be 0."""
+    (plain float32 attention sets the budget); padded query rows must be 0. Checked on the host."""
+    out, q, k, v, keys_real = (t.cpu() for t in (out, q, k, v, keys_real))
+    sinks = None if sinks is None else sinks.cpu()
     seqlen_q, width = q.shape[2], keys_real.shape[1]
     opts = dict(softmax_scale=scaling, causal=True, window_size=(window - 1, window - 1) if window else (-1, -1),
                 softcap=softcap or 0.0)
@@ -392,12 +394,12 @@ def test_left_padded_decoding_step_is_exact(device, monkeypatch, case):
     equals the float64 reference over its real keys."""
     nheads, nheads_k, seqlen_q, window, softcap, with_sinks = DECODE_CASES[case]
     gen = torch.Generator().manual_seed(31)
-    q, k, v = _hf_inputs(gen, 4, seqlen_q, 13, nheads, nheads_k)
-    _, mask = batch_with_padding(32, [9, 13, 2, 5], left=True)
+    q, k, v = _hf_inputs(gen, 4, seqlen_q, 13, nheads, nheads_k, device=device)
+    _, mask = batch_with_padding(32, [9, 13, 2, 5], left=True, device=device)
     keys_real = mask.bool()
     for t in (k, v):
         t.masked_fill_(~keys_real[:, None, :, None], float("nan"))
-    sinks = torch.randn(nheads, generator=gen) if with_sinks else None
+    sinks = torch.randn(nheads, generator=gen).to(device) if with_sinks else None
     monkeypatch.setattr(tt, "_unpadded_attention", lambda *a: pytest.fail("the decoding step packed its batch"))
     kwargs = dict(scaling=0.3, sliding_window=window, softcap=softcap, s_aux=sinks)
     out, _ = tt.tileattn_attention_forward(_Layer(), q, k, v, keys_real, **kwargs)
@@ -476,11 +478,11 @@ def _counting(calls: dict, name: str, f):
 
 
 def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, nheads_k=2, headdim=16,
-                  grow: list[int] | None = None, dtypes: list | None = None):
+                  grow: list[int] | None = None, dtypes: list | None = None, device="cpu"):
     """Per step: (q, k, v, bool mask) as transformers' eager generate() hands them to a layer, the
     cache one key longer each step (``grow``: per step, how many more) and fresh tensors
     (DynamicCache's torch.cat): step t's rows have pads[t] left padding slots, its batch
-    batch_sizes[t], its dtype dtypes[t] (float32); padding slots of k, v hold NaN."""
+    batch_sizes[t], its dtype dtypes[t] (float32); padding slots of k, v hold NaN; on ``device``."""
     steps, seen = [], 9
     grow, dtypes = grow or [1] * len(pads), dtypes or [torch.float32] * len(pads)
     for pad, batch, more, dtype in zip(pads, batch_sizes, grow, dtypes):
@@ -490,7 +492,7 @@ def _decode_steps(gen, pads: list[list[int]], batch_sizes: list[int], nheads=4, 
         mask = torch.arange(seen)[None] >= torch.tensor(pad)[:, None]
         for t in (k, v):
             t.masked_fill_(~mask[:, None, :, None], float("nan"))
-        steps.append((q, k, v, mask))
+        steps.append(tuple(t.to(device) for t in (q, k, v, mask)))
     return steps
 
 
@@ -521,7 +523,7 @@ def test_decoding_steps_carry_their_plan_exactly(device, monkeypatch, case, wind
 
     pads, batches, more = (*CARRIED_STEPS[case], {})[:3]
     gen = torch.Generator().manual_seed(41)
-    steps = _decode_steps(gen, pads, batches, **more)
+    steps = _decode_steps(gen, pads, batches, **more, device=device)
     kwargs = dict(scaling=0.3, sliding_window=window)
     fresh = []
     for q, k, v, mask in steps:  # each step's plan made anew, with no plan (nor launch plan) to carry on
@@ -703,17 +705,18 @@ def test_two_threads_decoding_at_once_share_no_split_workspace(monkeypatch):
     """Two generate() calls in two threads, with the same shapes and options: one thread's step
     must not carry on the other's plan (``_STEP_PLANS``), whose split workspace it would then
     share while both are in flight. The launches interleave here as two threads' launches may on
-    one stream: both split launches, then both combines; each thread's output must be its own."""
+    one stream: both split launches, then both combines; each thread's output must be its own.
+    The Triton kernels on the GPU when there is one, else in Triton's interpreter."""
     import threading
     import time
 
     from tileattn.gpu import attention as A
 
     monkeypatch.setenv("TILEATTN_BACKEND", "triton")
-    monkeypatch.setattr(A, "_auto_splits", lambda *a, **kw: 2)  # split launches on CPU tensors too
+    monkeypatch.setattr(A, "_auto_splits", lambda *a, **kw: 2)  # split launches at this small size too
     A.clear_plans()
     gen = torch.Generator().manual_seed(44)
-    steps = _decode_steps(gen, [[3, 0, 7], [1, 4, 2]], [3, 3])
+    steps = _decode_steps(gen, [[3, 0, 7], [1, 4, 2]], [3, 3], device="cuda" if HAS_CUDA else "cpu")
 
     def step(i, outs):
         q, k, v, mask = steps[i]
@@ -757,7 +760,7 @@ def test_a_step_carries_on_only_its_own_threads_and_streams_plan(device, monkeyp
     on a GPU the current stream) only: a step of another owner makes its plan anew (it would share
     the split workspace of a generate() that may be in flight), and its own next step carries on."""
     gen = torch.Generator().manual_seed(45)
-    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
+    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2], device=device)
     owners = iter([("thread a", 0, False), ("thread a", 7, False), ("thread a", 7, False)])  # step 2: another stream
     monkeypatch.setattr(tt, "_step_owner", lambda device: next(owners))
     monkeypatch.setattr(tt, "_STEP_PLANS", {})
@@ -775,7 +778,7 @@ def test_a_plan_made_under_inference_mode_is_not_carried_out_of_it(device, monke
     under it (whose workspace, an inference tensor, it may not write), and a step back under it does
     not carry on the plan made outside."""
     gen = torch.Generator().manual_seed(46)
-    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2])
+    steps = _decode_steps(gen, [[3, 0], [3, 0], [3, 0]], [2, 2, 2], device=device)
     monkeypatch.setattr(tt, "_STEP_PLANS", {})
     calls = {"next_step": 0, "__init__": 0}
     for name in calls:
