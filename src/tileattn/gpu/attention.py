@@ -364,15 +364,15 @@ def _plan_key(q, k, v, out, lse, params, alibi_slopes, cu_seqlens_q, cu_seqlens_
         max_seqlen_q, max_seqlen_k = _bound(max_seqlen_q), _bound(max_seqlen_k)
     if cu_seqlens_q is None and block_table is None and seqused_k is None and num_splits > 0:
         ks, vs = k.stride(), v.stride()
-        kv = (k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
+        kv = ("dense", k.shape[0], k.shape[2:], v.shape[2:], length_bucket(q.shape[1], k.shape[1]),
               _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(ks[2]),
               _stride_class(vs[0]), _stride_class(vs[1]), _stride_class(vs[2]))
     elif cu_seqlens_q is not None and block_table is None and max_seqlen_k > 0:  # packed (tokens, Hk, D)
         ks, vs = k.stride(), v.stride()
-        kv = (k.shape[1:], v.shape[1:], _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(vs[0]),
+        kv = ("packed", k.shape[1:], v.shape[1:], _stride_class(ks[0]), _stride_class(ks[1]), _stride_class(vs[0]),
               _stride_class(vs[1]))
     else:
-        kv = (k.shape, k.stride(), v.shape, v.stride())
+        kv = (None, k.shape, k.stride(), v.shape, v.stride())
     return (q.shape, q.stride(), kv, out.stride(), lse.stride(),
             q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.device,
             None if alibi_slopes is None else (alibi_slopes.stride(), alibi_slopes.dtype),
@@ -406,7 +406,7 @@ class FwdPlan:
          alibi, cu_q, cu_k, seqused, table, sink, descale, max_seqlen_q, max_seqlen_k, num_splits,
          mask_left, mask_right, (has_softcap, precise_tanh), has_dropout, v_is_k) = key
         # keys whose strides (dense: and length) come with each call: "dense" or "packed", else None
-        self.kv_per_call = {10: "dense", 6: "packed"}.get(len(kv))
+        self.kv_per_call, *kv = kv
         if self.kv_per_call == "dense":  # the strides' classes stand in for them (``_stride_class``), length 0
             k_shape, v_shape = (kv[0], 0, *kv[1]), (kv[0], 0, *kv[2])
             k_stride, v_stride, bucket = kv[4:7], kv[7:10], kv[3]

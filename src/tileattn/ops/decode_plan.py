@@ -190,14 +190,9 @@ class DecodePlan:
         if len(ks) != 4 or len(vs) != 4:
             return False
         q = V.last_dim_contiguous(q)
-        device = q.device
-        # what _signature holds, less the caches' slot count and strides
-        shapes = self._shapes
-        return ((q.shape, q.stride(), q.dtype, device, ks[0], ks[2:], vs[0], vs[2:], k_cache.dtype, v_cache.dtype,
-                 k_cache.device, v_cache.device, _is_prefix_view(v_cache, k_cache))
-                == (*shapes[:4], shapes[4][0], shapes[4][2:], shapes[6][0], shapes[6][2:], *shapes[8:])
+        return (self._slotless(self._signature(q, k_cache, v_cache)) == self._slotless(self._shapes)
                 and ks[1] == vs[1] and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-                and backend_name(device) == self._backend)
+                and backend_name(q.device) == self._backend)
 
     def _operands(self, q, k_cache, v_cache, seqused_k) -> tuple:
         """(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k) of a layer's attention call over ``seqused_k``
@@ -214,6 +209,12 @@ class DecodePlan:
     def fits(self, q, k_cache, v_cache) -> bool:
         """Whether ``run`` takes these tensors (the shapes, strides, dtype and device planned)."""
         return self._signature(V.last_dim_contiguous(q), k_cache, v_cache) == self._shapes
+
+    @staticmethod
+    def _slotless(signature: tuple) -> tuple:
+        """A ``_signature`` less what ``next_step`` lets change: the caches' slot count and strides."""
+        q_shape, q_stride, q_dtype, device, k_shape, _, v_shape, _, *rest = signature
+        return (q_shape, q_stride, q_dtype, device, (k_shape[0], *k_shape[2:]), (v_shape[0], *v_shape[2:]), *rest)
 
     @staticmethod
     def _signature(q, k_cache, v_cache) -> tuple:
