@@ -588,7 +588,7 @@ def test_attn_fwd_and_prepare_fwd_give_the_rule_their_outputs(monkeypatch):
 
 def test_s_ahead_head_dims():
     """The key tiles go in pairs with the S product one tile ahead (``S_AHEAD``) at head dim 64 (docs/
-    perf-notes.md, 2026-12-02 05:40): the second score tile in flight fits its registers there."""
+    perf-notes.md, 2026-12-02 04:49): the second score tile in flight fits its registers there."""
     assert hopper.S_AHEAD_HEAD_DIMS == (64,)
 
 

@@ -65,7 +65,7 @@ Q_EARLY_HEAD_DIMS = (128,)
 DOUBLE_Q_HEAD_DIMS = (64,)
 # The head dims whose key-tile loop takes its tiles in pairs with the S product one tile ahead of the
 # softmax (``S_AHEAD``: a warpgroup's softmax overlaps its own next S product). Not yet measured: the A/B
-# on the H200 decides (docs/perf-notes.md, 2026-12-02 05:40).
+# on the H200 decides (docs/perf-notes.md, 2026-12-02 04:49).
 S_AHEAD_HEAD_DIMS = (64,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24

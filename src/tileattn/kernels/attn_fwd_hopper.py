@@ -359,7 +359,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     softmax of S_{t-1} while S_t runs; in a pair's second step P_{t-1} V_{t-1} runs too, waited for
     only after that softmax. Every wgmma is waited for within its pair (ptxas serialises all of them
     when an accumulator stays in flight across the loop's back edge: docs/perf-notes.md, 2026-12-02
-    05:00). The same operations on every value as ``_consume_item``'s loop: bitwise the same outputs.
+    04:07). The same operations on every value as ``_consume_item``'s loop: bitwise the same outputs.
     Returns (o, m_i, l_i)."""
     q_empty, k_full, v_full, k_empty, v_empty = bars[1], bars[2], bars[3], bars[4], bars[5]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
