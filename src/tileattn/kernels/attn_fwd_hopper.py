@@ -332,7 +332,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
 
 
 @gluon.jit
-def _ahead_step(q_tile, s_zero, k_ring, v_ring, bars, s, m_i, l_i, t, off, full_lo, full_hi, q_pos, seqlen_k,
+def _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo, full_hi, q_pos, seqlen_k,
                 diag_off, scale_log2, window_left, window_right, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                 MASK_RIGHT: gl.constexpr):
     """``_tiles_s_ahead``'s step t: issue S_t (waited for by the caller), then the softmax of ``s``
@@ -359,8 +359,11 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     softmax of S_{t-1} while S_t runs; in a pair's second step P_{t-1} V_{t-1} runs too, waited for
     only after that softmax. Every wgmma is waited for within its pair (ptxas serialises all of them
     when an accumulator stays in flight across the loop's back edge: docs/perf-notes.md, 2026-12-02
-    04:07). The same operations on every value as ``_consume_item``'s loop: bitwise the same outputs.
+    04:07). The same operations on every value as ``_consume_item``'s loop (and one more: O, still
+    zero, times tile n_lo's alpha, which is finite: +0), so bitwise the same outputs.
     Returns (o, m_i, l_i)."""
+    # waiting for K_{t+1} while V_{t-1} is still held needs the producer two V copies ahead
+    gl.static_assert(STAGES >= 2, "S_AHEAD holds two V copies while it waits for the next K copy")
     q_empty, k_full, v_full, k_empty, v_empty = bars[1], bars[2], bars[3], bars[4], bars[5]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
@@ -373,7 +376,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
     mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
     for t in range(n_lo + 1, n_hi - 1, 2):  # tiles t and t + 1
-        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, v_ring, bars, s, m_i, l_i, t, off, full_lo,
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo,
                                                 full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
@@ -381,7 +384,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
         o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_{t-1} V_{t-1}
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t done, P_{t-1} V_{t-1} may run on
         mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
-        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, v_ring, bars, s, m_i, l_i, t + 1, off,
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t + 1, off,
                                                 full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok,))  # P_{t-1} V_{t-1} done, S_{t+1} may run on
@@ -393,7 +396,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
         mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
         mbarrier.arrive(v_empty.index((t + off) % STAGES), count=1)
     if (n_hi - n_lo) % 2 == 0:  # one tile past the pairs: n_hi - 1
-        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, v_ring, bars, s, m_i, l_i, n_hi - 1, off,
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, n_hi - 1, off,
                                                 full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
