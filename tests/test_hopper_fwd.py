@@ -23,7 +23,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=False, window=(-1, -1),
-         layout="bshd", sink=False):
+         layout="bshd", sink=False, check_rule=True):
+    """The Hopper forward on random inputs, against the reference; (out, lse). ``check_rule``: assert
+    first that the dispatch picks the Hopper kernel (False for the decoding shapes it leaves out,
+    fewer than 128 rows, which the kernel itself computes all the same)."""
     gen = torch.Generator().manual_seed(seed)
     # sinks spread around the scores' range: some rows give the sink most of their weight
     learnable_sink = torch.randn(nheads, generator=gen) * 3 if sink else None
@@ -37,8 +40,9 @@ def _run(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, cau
     q, k, v = t(seqlen_q, nheads), t(seqlen_k, nheads_k), t(seqlen_k, nheads_k)
     right = 0 if causal else window[1]
     params = AttnParams(head_dim**-0.5, window[0], right)
-    assert hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False, seqused_k=None,
-                             num_splits=0) is None, "the dispatch does not pick the Hopper kernel"
+    assert not check_rule or hopper_fwd_reason(q, k, v, params, alibi_slopes=None, varlen=False, paged=False,
+                                               seqused_k=None, num_splits=0) is None, \
+        "the dispatch does not pick the Hopper kernel"
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, nheads, seqlen_q), float("nan"), device="cuda")
     hopper_attn_fwd(q, k, v, out, lse, params=params,
@@ -105,10 +109,15 @@ def test_hopper_varlen(causal, group, sink):
     each sequence's rows equal the reference on that sequence alone; tiles that run past a
     sequence's end read the next one's rows, which must stay masked. With sinks, the sequence
     without keys gets out 0 and lse = sink."""
+    _run_varlen(causal, group, sink)
+
+
+def _run_varlen(causal, group, sink, head_dim=128):
+    """``test_hopper_varlen``'s packed batch, checked sequence by sequence; (out, lse)."""
     gen = torch.Generator().manual_seed(group + 10 * causal)
     lens_q = [300, 0, 129, 1023, 1, 640]
     lens_k = [300, 5, 257, 1023, 0, 200]
-    nheads, head_dim = 4, 128
+    nheads = 4
     cu_q = torch.tensor([0] + list(np.cumsum(lens_q)), dtype=torch.int32)
     cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), dtype=torch.int32)
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, generator=gen).to(torch.bfloat16).cuda()
@@ -136,6 +145,7 @@ def test_hopper_varlen(causal, group, sink):
         plain_out, plain_lse = plain_attention(qb, kb, vb, causal=causal, learnable_sink=learnable_sink)
         assert_within(f"seq {b} out", out[rows].unsqueeze(0), plain_out, ref_out)
         assert_within(f"seq {b} lse", lse[:, rows].unsqueeze(0), plain_lse, ref_lse)
+    return out, lse
 
 
 def test_hopper_fp32_output():
@@ -209,6 +219,11 @@ def test_hopper_partials_over_a_paged_pool(head_dim, page, group, prefix_len, ro
     """One sequence over a paged pool (a cascade's prefix) as split partial states, merged by the
     backend's ``merge_parts``: equal to attention over the gathered keys. The pool's unused
     slots, the partial buffers and the outputs start as NaN; the table is a random permutation."""
+    _run_partials(head_dim, page, group, prefix_len, rows)
+
+
+def _run_partials(head_dim, page, group, prefix_len, rows):
+    """``test_hopper_partials_over_a_paged_pool``'s call, checked; (o_parts, lse_parts, out, lse)."""
     from tileattn.gpu import merge_parts, plan_partials
     from tileattn.gpu.hopper import HopperPartials, hopper_partials_reason
 
@@ -245,6 +260,7 @@ def test_hopper_partials_over_a_paged_pool(head_dim, page, group, prefix_len, ro
     plain_out, plain_lse = plain_attention(q, keys[None], values[None])
     assert_within("out", out, plain_out, ref_out)
     assert_within("lse", lse, plain_lse, ref_lse)
+    return o_parts, lse_parts, out, lse
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -485,3 +501,87 @@ def test_hopper_dynamic_counter_per_call(monkeypatch):
     assert not first[0].isnan().any()
     for i, (out, lse) in enumerate(results):
         assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"call {i}"
+
+
+def _s_ahead_both_ways(monkeypatch, head_dim, call):
+    """``call()`` (which checks its outputs against the reference and returns them) with the key tiles
+    in pairs and the S product one tile ahead (``S_AHEAD``) at ``head_dim``, then without: every launch
+    takes the flag as set (recorded from ``hopper._fwd_launch``) and the outputs are bitwise equal (the
+    same operations on every value, in another order between the two warpgroups' instructions). A
+    missing or doubled barrier arrival would hang here (the GPU run's timeout catches it). At head dim
+    128 the flag is off in the launcher; there it comes with ``Q_EARLY`` and ptxas serialises every
+    wgmma (registers): those cases check the values and the barriers, not the overlap."""
+    from tileattn.gpu import hopper
+
+    made = hopper._fwd_launch
+    flags = []
+
+    def recording(*args, **kwargs):
+        launch = made(*args, **kwargs)
+        flags.append(launch.constexprs["S_AHEAD"])
+        return launch
+
+    monkeypatch.setattr(hopper, "_fwd_launch", recording)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", (head_dim,) if on else ())
+        flags.clear()
+        results.append(call())
+        torch.cuda.synchronize()
+        assert flags and flags == [on] * len(flags), f"S_AHEAD {on} not taken: {flags}"
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"output {i} differs between the flag on and off"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (65, 100), (128, 200), (200, 300), (300, 450), (450, 600),
+                                                (1000, 1000), (2048, 2048), (1, 1000), (1000, 300)])
+def test_hopper_s_ahead_dense(monkeypatch, head_dim, causal, seqlen_q, seqlen_k):
+    """Items of 1 to 5 key tiles (a first tile alone, whole pairs, a pair and one more) and of many,
+    causal blocks of every length up to 16 tiles, one query over many keys, blocks without keys."""
+    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+        seqlen_q + 3 * seqlen_k + causal, 2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, causal=causal,
+        check_rule=seqlen_q >= 128))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
+def test_hopper_s_ahead_window_sink(monkeypatch, head_dim, window):
+    """Sliding windows (masked tiles on both sides of the pairs) with learnable sinks."""
+    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+        sum(window) + head_dim, 2, 513, 700, 8, 2, head_dim, torch.bfloat16, window=window, sink=True))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_s_ahead_varlen(monkeypatch, head_dim, causal):
+    """Packed sequences with a zero-length one and one without keys, GQA 2 and sinks."""
+    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run_varlen(causal, 2, True, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("head_dim, page, group, prefix_len, rows", [
+    (128, 16, 4, 16384 - 37, 64), (64, 16, 8, 4096 + 40, 40), (128, 16, 2, 5, 16),
+    (64, 16, 8, 1024 + 40, 40),  # splits of 5 and 4 tiles: the even remainder before a part-filled last tile
+    (64, 256, 4, 2048 + 40, 64)])  # pages larger than a tile
+def test_hopper_s_ahead_paged_partials(monkeypatch, head_dim, page, group, prefix_len, rows):
+    """Split partials over a paged pool (QPACK, PAGE, NUM_SPLITS), whose unused slots hold NaN."""
+    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run_partials(head_dim, page, group, prefix_len, rows))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hopper_s_ahead_walks_many_items(monkeypatch, head_dim, dynamic):
+    """A persistent grid of 3 programs walking 2 x 8 x 8 causal items each (odd and even tile counts in
+    turn), on the static round-robin or the dynamic schedule, so the rings' positions carry on."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setattr(hopper, "_sms", lambda q: 3)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", dynamic)
+    q = torch.empty(2, 1000, 8, head_dim, dtype=torch.bfloat16, device="cuda")
+    assert _dynamic_taken(q, q, AttnParams(head_dim**-0.5, -1, 0)) == dynamic
+    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+        1000 + head_dim, 2, 1000, 1000, 8, 8, head_dim, torch.bfloat16, causal=True))

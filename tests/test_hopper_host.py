@@ -584,3 +584,26 @@ def test_attn_fwd_and_prepare_fwd_give_the_rule_their_outputs(monkeypatch):
                              max_seqlen_k=256, seqused_k=None, block_table=None, num_splits=1, learnable_sink=None,
                              k_descale=None)
     assert len(seen) == 2 and seen[-1]["out"] is out and seen[-1]["lse"] is lse
+
+
+def test_s_ahead_head_dims():
+    """The key tiles go in pairs with the S product one tile ahead (``S_AHEAD``) at head dim 64 (docs/
+    perf-notes.md, 2026-12-02 04:49): the second score tile in flight fits its registers there."""
+    assert hopper.S_AHEAD_HEAD_DIMS == (64,)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dims", [(), (64, 128, 256)])
+def test_s_ahead_flag_follows_head_dims(fwd_launches, monkeypatch, head_dim, dims):
+    """``S_AHEAD`` is set from ``S_AHEAD_HEAD_DIMS`` alone, for a dense call (unmasked and causal) and
+    a packed one."""
+    monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", dims)
+    q, k, v = _dense(1, 256, 2, head_dim)
+    for right in (-1, 0):
+        hopper.hopper_attn_fwd(q, k, v, torch.empty_like(q), torch.empty(1, 2, 256),
+                               params=AttnParams(head_dim**-0.5, -1, right))
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    hopper.hopper_attn_fwd(q[0], k[0], v[0], torch.empty_like(q[0]), torch.empty(2, 256),
+                           params=AttnParams(head_dim**-0.5, -1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=156, max_seqlen_k=156)
+    assert [c["S_AHEAD"] for c, _ in fwd_launches] == [head_dim in dims] * 3

@@ -63,6 +63,11 @@ Q_EARLY_HEAD_DIMS = (128,)
 # for that Q's release at the item's end. Costs 2 x ROWS_WG x HEAD_DIM x 2 bytes of shared memory: 16 KB
 # at hdim 64 (147.5 KB in all); 128 and 256 have no room (229 and 256 KB against 227).
 DOUBLE_Q_HEAD_DIMS = (64,)
+# The head dims whose key-tile loop takes its tiles in pairs with the S product one tile ahead of the
+# softmax (``S_AHEAD``: a warpgroup's softmax overlaps its own next S product). Measured on the H200 at 64:
+# +3 to +4 % forward except causal 2k (level); 128 keeps it off (untested there; docs/perf-notes.md,
+# 2026-12-02 04:49).
+S_AHEAD_HEAD_DIMS = (64,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
@@ -518,7 +523,8 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
         GROUP=nheads // nheads_k, QPACK=qpack, IS_VARLEN=cu_seqlens_q is not None, HAS_SEQUSED=seqused_k is not None,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
         PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None,
-        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic, Q_BUFS=2 if head_dim in DOUBLE_Q_HEAD_DIMS else 1),
+        Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic, Q_BUFS=2 if head_dim in DOUBLE_Q_HEAD_DIMS else 1,
+        S_AHEAD=head_dim in S_AHEAD_HEAD_DIMS),
         (q_block, kv_block, kv_block, o_block) + (None,) * 8, numbers)
 
 

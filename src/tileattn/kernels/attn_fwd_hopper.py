@@ -16,6 +16,9 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
       issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1};  wait for S_j (P V still running)
       softmax of S_j -> P_j, alpha_j;  wait for O;  O *= alpha_j
 
+  With ``S_AHEAD`` (the launcher's rule, per head dim) the tiles go in pairs and the S product runs
+  one tile ahead, so that a softmax also overlaps the warpgroup's own next S product
+  (``_tiles_s_ahead``).
 * Work items (128 query rows of one sequence and head) are walked by each program with a
   stride of the grid size, in the order of ``_work`` (heaviest causal blocks first across a group
   of heads): one program per SM (persistent, the next item's copies overlap the last one's
@@ -329,14 +332,106 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
 
 
 @gluon.jit
+def _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo, full_hi, q_pos, seqlen_k,
+                diag_off, scale_log2, window_left, window_right, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                MASK_RIGHT: gl.constexpr):
+    """``_tiles_s_ahead``'s step t: issue S_t (waited for by the caller), then the softmax of ``s``
+    (S_{t-1}) while it runs. Returns (S_t in flight, P_{t-1}, m_i, l_i, alpha)."""
+    k_full = bars[2]
+    HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    s_layout: gl.constexpr = s_zero.type.layout
+    k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
+    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S_t
+    masked = (t - 1 < full_lo) | (t - 1 >= full_hi)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t - 1, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                       window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
+    return s_tok, p, m_i, l_i, alpha
+
+
+@gluon.jit
+def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_lo, n_hi, off, full_lo, full_hi, q_pos,
+                   seqlen_k, diag_off, scale_log2, window_left, window_right, STAGES: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   Q_EARLY: gl.constexpr):
+    """Key tiles n_lo .. n_hi - 1 (n_hi > n_lo; tile t is the rings' copy t + off), after the first in
+    pairs (t, t + 1), the S product one tile ahead of the softmax. Step t issues S_t and computes the
+    softmax of S_{t-1} while S_t runs; in a pair's second step P_{t-1} V_{t-1} runs too, waited for
+    only after that softmax. Every wgmma is waited for within its pair (ptxas serialises all of them
+    when an accumulator stays in flight across the loop's back edge: docs/perf-notes.md, 2026-12-02
+    04:07). The same operations on every value as ``_consume_item``'s loop (and one more: O, still
+    zero, times tile n_lo's alpha, which is finite: +0), so bitwise the same outputs.
+    Returns (o, m_i, l_i)."""
+    # waiting for K_{t+1} while V_{t-1} is still held needs the producer two V copies ahead
+    gl.static_assert(STAGES >= 2, "S_AHEAD holds two V copies while it waits for the next K copy")
+    q_empty, k_full, v_full, k_empty, v_empty = bars[1], bars[2], bars[3], bars[4], bars[5]
+    HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[2]
+    dtype: gl.constexpr = q_tile.dtype
+    s_layout: gl.constexpr = s_zero.type.layout
+    o_layout: gl.constexpr = o.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
+    mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
+    for t in range(n_lo + 1, n_hi - 1, 2):  # tiles t and t + 1
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo,
+                                                full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
+                                                window_right, STAGES, MASK_LEFT, MASK_RIGHT)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_{t-1} V_{t-1}
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t done, P_{t-1} V_{t-1} may run on
+        mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t + 1, off,
+                                                full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
+                                                window_right, STAGES, MASK_LEFT, MASK_RIGHT)
+        o = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok,))  # P_{t-1} V_{t-1} done, S_{t+1} may run on
+        mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        v_tile = _wait_tile(v_full, v_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_t V_t
+        s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
+        mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index((t + off) % STAGES), count=1)
+    if (n_hi - n_lo) % 2 == 0:  # one tile past the pairs: n_hi - 1
+        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, n_hi - 1, off,
+                                                full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
+                                                window_right, STAGES, MASK_LEFT, MASK_RIGHT)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        v_tile = _wait_tile(v_full, v_ring, n_hi - 2 + off, STAGES, BLOCK_N, HEAD_DIM)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)
+        s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
+        mbarrier.arrive(k_empty.index((n_hi - 1 + off) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index((n_hi - 2 + off) % STAGES), count=1)
+    if Q_EARLY:  # the item's last S product has completed
+        mbarrier.arrive(q_empty.index(q_buf), count=1)
+    masked = (n_hi - 1 < full_lo) | (n_hi - 1 >= full_hi)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_hi - 1, q_pos, masked, seqlen_k, diag_off, scale_log2,
+                                       window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
+    o = o * gl.convert_layout(alpha, row_o)[:, None]
+    v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+    if PAGE > 0 or IS_VARLEN:  # as in _consume_item: the sequence's last tile's rows past its keys
+        if n_hi * BLOCK_N > seqlen_k:
+            _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
+    o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o)
+    mbarrier.arrive(v_empty.index((n_hi - 1 + off) % STAGES), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
 def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                   Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit,
                   scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                   PAGE: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-                  Q_BUFS: gl.constexpr, WAIT_Q: gl.constexpr):
+                  Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, WAIT_Q: gl.constexpr):
     """Work item ``w`` for warpgroup ``WG`` (``_consumer``): ``c`` K/V copies and ``j`` items consumed
-    before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has)."""
+    before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has).
+
+    ``S_AHEAD`` (the launcher's rule, per head dim): the key tiles in pairs, the S product one tile
+    ahead of the softmax (``_tiles_s_ahead``)."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
@@ -370,7 +465,11 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bar
         off = c - n_lo  # tile t of this item is the ring's copy t + off
         if WAIT_Q:  # (DYNAMIC: the caller waited, to read the item's index)
             mbarrier.wait(q_full.index(qb + WG), q_phase)
-        if n_hi > n_lo:
+        if S_AHEAD and n_hi > n_lo:
+            o, m_i, l_i = _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, qb + WG, o, m_i, l_i, n_lo, n_hi, off,
+                                         full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
+                                         window_right, STAGES, MASK_LEFT, MASK_RIGHT, PAGE, IS_VARLEN, Q_EARLY)
+        elif n_hi > n_lo:
             # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
             k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
@@ -443,7 +542,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
               STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr, DYNAMIC: gl.constexpr,
-              Q_BUFS: gl.constexpr):
+              Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
@@ -487,7 +586,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
             c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
                                  stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, False)
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, False)
             qb, q_phase = _q_buffers(j, Q_BUFS)
             mbarrier.wait(q_full.index(qb + WG), q_phase)  # the next item's Q (or the end), after this item's epilogue
             w = _read_index(slots.index(qb + WG))
@@ -496,7 +595,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
             c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
                                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
                                  stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, True)
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, True)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the staging tile before the program ends
 
@@ -509,7 +608,7 @@ def _attn_fwd_hopper_kernel(
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
@@ -609,11 +708,11 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC, Q_BUFS)),
+                     DYNAMIC, Q_BUFS, S_AHEAD)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC, Q_BUFS)),
+                     DYNAMIC, Q_BUFS, S_AHEAD)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                      slots, Counter, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES,
                      DYNAMIC, Q_BUFS)),
