@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 import torch
 import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tileattn import reference
 import tileattn.gpu.attention as launch
 import tileattn.gpu.combine as combine
 from tileattn.gpu.attention import attn_fwd
 from tileattn.contract import AttnParams
+from tileattn.kernels.common import visible_in_tile, visible_mask
 
 from tolerance import assert_within, plain_attention
 
@@ -82,6 +86,35 @@ DENSE_CASES = [
 def test_dense_matches_reference(dtype, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal):
     q, k, v, out, lse = _dense(1, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal=causal)
     _check("dense", out, lse, q, k, v, causal=causal)
+
+
+@triton.jit
+def _both_masks(Out, q_start, k_start, seqlen_k, diag_off, window_left, window_right, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    q_pos = q_start + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    old = visible_mask(q_pos, k_start + cols, seqlen_k, diag_off, window_left, window_right, MASK_LEFT, MASK_RIGHT,
+                       True)
+    new = visible_in_tile(q_pos, cols, k_start, seqlen_k, diag_off, window_left, window_right, MASK_LEFT,
+                          MASK_RIGHT) & (old | ~old)  # (broadcast to the tile where it is [1, BLOCK_N])
+    at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols[None, :]
+    tl.store(Out + at, old.to(tl.int8))
+    tl.store(Out + BLOCK_M * BLOCK_N + at, new.to(tl.int8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(q_start=st.integers(0, 300), tile=st.integers(0, 8), seqlen_k=st.integers(1, 600),
+       diag_off=st.integers(-300, 300), window_left=st.integers(-1, 200), window_right=st.integers(-1, 200))
+def test_visible_in_tile_is_visible_mask(**case):
+    """The Hopper forward's mask (bounds folded into per-row column limits) marks the same scores as
+    the portable kernels' ``visible_mask`` (a subtraction and a compare per bound and score), for any
+    tile, window, diagonal offset and sequence end."""
+    block_m, block_n = 16, 32
+    out = torch.full((2, block_m, block_n), -1, dtype=torch.int8, device=DEVICE)
+    _both_masks[(1,)](out, case["q_start"], case["tile"] * block_n, case["seqlen_k"], case["diag_off"],
+                      case["window_left"], case["window_right"], block_m, block_n, case["window_left"] >= 0,
+                      case["window_right"] >= 0)
+    assert torch.equal(out[0], out[1]), f"{case}: {int((out[0] != out[1]).sum())} scores differ"
 
 
 def test_rows_that_see_no_key_give_zero_and_minus_inf():

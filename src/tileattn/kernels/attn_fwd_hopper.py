@@ -69,12 +69,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E, finish_rows, online_rescale, visible_mask
+from .common import LOG2E, finish_rows, online_rescale, visible_in_tile, visible_mask
 
 # The shared jit helpers of common.py, compiled for Gluon (the same source serves both).
 _online_rescale = gluon.jit(online_rescale.fn)
 _finish_rows = gluon.jit(finish_rows.fn)
 _visible_mask = gluon.jit(visible_mask.fn)
+_visible_in_tile = gluon.jit(visible_in_tile.fn)
 
 
 ROWS_WG: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (a block is two)
@@ -213,9 +214,9 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
     row maximum of the raw scores is the maximum of the scaled ones). ``masked`` (a per-tile
     scalar) applies the window and ``seqlen_k`` bounds."""
     if masked:
-        k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-        seen = _visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
-                             MASK_LEFT, MASK_RIGHT, True)  # [BLOCK_M, BLOCK_N]
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N] the tile's columns
+        seen = _visible_in_tile(q_pos, cols, t * BLOCK_N, seqlen_k, diag_off, window_left, window_right,
+                                MASK_LEFT, MASK_RIGHT)  # [BLOCK_M, BLOCK_N]
         s = gl.where(seen, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)  # [BLOCK_M]
     m_use, alpha = _online_rescale(m_i, m_new, True)

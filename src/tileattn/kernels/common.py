@@ -90,6 +90,29 @@ def visible_mask(q_pos, k_pos, seqlen_k, diag_off, window_left, window_right,
 
 
 @triton.jit
+def visible_in_tile(q_pos, cols, k_start, seqlen_k, diag_off, window_left, window_right,
+                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """``visible_mask``'s booleans with the ``seqlen_k`` bound, for the keys ``k_start + cols`` of one
+    tile (``cols`` [BLOCK_N], the tile's columns 0 .. BLOCK_N - 1). With a right bound (causal, a
+    window) it is computed another way: the right bound and the sequence's end become one limit per
+    row on the tile's columns (the left bound another), so a score costs one compare against its row's
+    limit instead of a subtraction and a compare per bound. The same integers compared in another
+    order: the same booleans. Without one, the sequence's end is a compare per column, as there."""
+    i = q_pos + diag_off  # [BLOCK_M] the key position of each query's diagonal
+    if MASK_RIGHT:
+        hi = tl.minimum(i + window_right, seqlen_k - 1) - k_start  # [BLOCK_M] the last column seen
+        seen = cols[None, :] <= hi[:, None]  # [BLOCK_M, BLOCK_N]
+        if MASK_LEFT:
+            seen = seen & (cols[None, :] >= (i - window_left - k_start)[:, None])
+    else:
+        j = k_start + cols  # [BLOCK_N] the tile's key positions
+        seen = j[None, :] < seqlen_k  # [1, BLOCK_N]: broadcast by its use
+        if MASK_LEFT:
+            seen = seen & (j[None, :] >= (i - window_left)[:, None])
+    return seen
+
+
+@triton.jit
 def scores_log2(qk, q_pos, k_pos, seqlen_k, diag_off, scale_log2, softcap, slope_log2,
                 window_left, window_right,
                 HAS_SOFTCAP: tl.constexpr, PRECISE_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr,
