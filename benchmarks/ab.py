@@ -3,6 +3,7 @@
     python benchmarks/ab.py --arm main=src --arm branch=../branch/src \\
         --arm tma=src:tileattn.gpu.hopper.TMA_STORE_HEAD_DIMS=(64,) \\
         [--hdims 64,128] [--seqlens 2048,8192] [--causal both] [--rounds 2] [--backward] [--out DIR]
+    [--group G] [--varlen]
 
 An arm is ``NAME=TREE`` with optional ``:module.ATTR=LITERAL`` settings (``;`` between several):
 the process imports tileattn from TREE (its ``src`` folder) and sets each constant before the
@@ -13,6 +14,10 @@ on every arm alike. In each process: prefill.py's shapes (16k tokens a batch, nh
 2048, bf16), ``tileattn.flash_attn_func`` forward alone without grad (``--backward``: also
 forward + backward, the backward's TFLOP/s as prefill.py counts it), and SDPA's cuDNN backend on
 the same tensors as the anchor (on the CPU, ``--smoke``: fp32, tiny shapes, SDPA's default).
+``--group G``: G query heads per key/value head (GQA; the anchor gets K and V repeated to every
+query head, the same FLOPs). ``--varlen``: each batch's sequences packed into one
+``flash_attn_varlen_func`` call, half of them 1/2 and half 3/2 of the seqlen (16k tokens all the same;
+one sequence where the batch is one), without an anchor (SDPA has no packed form).
 
 The table gives, per cell and arm, the median TFLOP/s over the rounds, its ratio to the first
 arm's, and the anchor's median over every process. Write down what a change should gain before
@@ -60,11 +65,22 @@ def parse_arm(text: str) -> dict:
 
 def build_cases(args) -> list[dict]:
     if args.smoke:
-        return [dict(hdim=16, causal=c, seqlen=64, batch=2, nheads=2) for c in (False, True)]
+        return [dict(hdim=16, causal=c, seqlen=64, batch=2, nheads=2, group=args.group, varlen=args.varlen)
+                for c in (False, True)]
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    return [dict(hdim=d, causal=c, seqlen=s, batch=TOKENS // s, nheads=WIDTH // d)
+    return [dict(hdim=d, causal=c, seqlen=s, batch=TOKENS // s, nheads=WIDTH // d, group=args.group,
+                 varlen=args.varlen)
             for d in (int(x) for x in args.hdims.split(",")) for s in (int(x) for x in args.seqlens.split(","))
             for c in causal]
+
+
+def varlen_lengths(batch: int, seqlen: int) -> list[int]:
+    """``--varlen``'s sequence lengths: 1/2 and 3/2 of ``seqlen`` in turn, the last one ``seqlen`` when the
+    count is odd, so that they add up to batch x seqlen."""
+    lengths = [seqlen // 2 if i % 2 == 0 else seqlen + seqlen // 2 for i in range(batch)]
+    if batch % 2:
+        lengths[-1] = seqlen
+    return lengths
 
 
 def worker(spec: dict) -> None:
@@ -87,27 +103,47 @@ def worker(spec: dict) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for case in spec["cases"]:
         g = torch.Generator(device=device).manual_seed(case["seqlen"] + case["hdim"])
-        shape = (case["batch"], case["seqlen"], case["nheads"], case["hdim"])
-        q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
-        flops = common.attn_flops(case["batch"], case["nheads"], case["seqlen"], case["seqlen"], case["hdim"],
-                                  case["causal"])
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        backend = SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH
+        nheads, hdim, causal = case["nheads"], case["hdim"], case["causal"]
+        nheads_k = nheads // case["group"]
+        if case["varlen"]:
+            lengths = varlen_lengths(case["batch"], case["seqlen"])
+            rows_q, rows_k = (sum(lengths), nheads, hdim), (sum(lengths), nheads_k, hdim)
+            flops = sum(common.attn_flops(1, nheads, n, n, hdim, causal) for n in lengths)
+        else:
+            rows_q, rows_k = (case["batch"], case["seqlen"], nheads, hdim), (case["batch"], case["seqlen"], nheads_k,
+                                                                            hdim)
+            flops = common.attn_flops(case["batch"], nheads, case["seqlen"], case["seqlen"], hdim, causal)
+        q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g)
+                         for shape in (rows_q, rows_k, rows_k, rows_q))
+        if case["varlen"]:
+            cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                              device=device)
 
-        def anchor():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=case["causal"])
+            def call():
+                return tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+
+            anchor = None
+        else:
+            def call():
+                return tileattn.flash_attn_func(q, k, v, causal=causal)
+
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(case["group"], 2),
+                                                       v.repeat_interleave(case["group"], 2)))
+            backend = SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH
+
+            def anchor():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
         with torch.no_grad():
-            fwd = common.bench(lambda: tileattn.flash_attn_func(q, k, v, causal=case["causal"]), device, cpu_reps=2)
-            fwd_anchor = common.bench(anchor, device, cpu_reps=2)
+            fwd = common.bench(call, device, cpu_reps=2)
+            fwd_anchor = common.bench(anchor, device, cpu_reps=2) if anchor else None
         row = {**case, "arm": spec["name"], "settings": repr(settings), "fwd_tflops": common.tflops(flops, fwd),
                "anchor_fwd_tflops": common.tflops(flops, fwd_anchor)}
         if backward:
             for t in (q, k, v):
                 t.requires_grad_(True)
-            step = common.bench(lambda: tileattn.flash_attn_func(q, k, v, causal=case["causal"]).backward(dout),
-                                device, grad_to_none=[q, k, v], cpu_reps=2)
+            step = common.bench(lambda: call().backward(dout), device, grad_to_none=[q, k, v], cpu_reps=2)
             row["bwd_tflops"] = common.bwd_tflops(flops, fwd, step)
         print("AB " + json.dumps(row), flush=True)
 
@@ -171,6 +207,8 @@ def main() -> None:
         p.add_argument("--rounds", type=int, default=2, help="rounds of one process per arm (default 2)")
         p.add_argument("--backward", action="store_true", help="also time forward + backward")
         p.add_argument("--timeout", type=float, default=300, help="seconds per process (default 300)")
+        p.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA; default 1)")
+        p.add_argument("--varlen", action="store_true", help="packed sequences of 1/2 and 3/2 the seqlen")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
     arms = [parse_arm(a) for a in args.arm]

@@ -106,6 +106,29 @@ def test_ab_runs_every_arm_in_every_round(tmp_path):
     assert all(float(r["fwd_tflops"]) > 0 and float(r["anchor_fwd_tflops"]) > 0 for r in rows)
 
 
+@pytest.mark.parametrize("shape", [("--group", "2"), ("--varlen",)])
+def test_ab_times_gqa_and_packed_batches(tmp_path, shape):
+    """ab.py's other shapes: GQA (the anchor on K and V repeated to every head) and packed sequences of
+    1/2 and 3/2 the seqlen (no anchor), forward and backward, each row saying which it was."""
+    src = str(BENCHMARKS.parent / "src")
+    rows = run_smoke("ab.py", tmp_path, extra=("--arm", f"a={src}", "--arm", f"b={src}", "--rounds", "1",
+                                               "--backward", *shape))
+    assert len(rows) == 4 and all(float(r["fwd_tflops"]) > 0 and float(r["bwd_tflops"]) > 0 for r in rows)
+    if shape[0] == "--varlen":
+        assert all(r["varlen"] == "True" and not r["anchor_fwd_tflops"] for r in rows)
+    else:
+        assert all(r["group"] == "2" and float(r["anchor_fwd_tflops"]) > 0 for r in rows)
+
+
+def test_ab_varlen_lengths_keep_the_tokens(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import ab
+
+    for batch, seqlen in ((8, 2048), (2, 8192), (1, 16384), (3, 100)):
+        lengths = ab.varlen_lengths(batch, seqlen)
+        assert len(lengths) == batch and sum(lengths) == batch * seqlen and min(lengths) > 0
+
+
 def test_ab_ratio_cells_give_each_round(monkeypatch):
     """ab.py's ratio cell: the median ratio, then each round's own (the arms' processes of one round
     ran back to back), so that "ahead in every round" reads off the table."""
