@@ -27,6 +27,7 @@ running it (docs/perf-notes.md).
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import statistics
@@ -116,8 +117,7 @@ def worker(spec: dict) -> None:
         q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g)
                          for shape in (rows_q, rows_k, rows_k, rows_q))
         if case["varlen"]:
-            cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
-                              device=device)
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
             def call():
                 return tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
