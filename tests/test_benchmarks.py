@@ -250,3 +250,39 @@ def test_generate_host_times_a_decoding_step_on_the_decoding_route():
     us, made, fwd_made, runs = re.search(r"([\d.]+) µs per step.*?([\d.]+) DecodePlans made anew, ([\d.]+) FwdPlans "
                                          r"made \(cache emptied first\), ([\d.]+) plan runs", proc.stdout).groups()
     assert float(us) > 0 and float(made) < 1 and float(fwd_made) < 1 and float(runs) == 2, proc.stdout
+
+
+def _ncu_raw_csv(path: Path, kernels: list[dict]) -> None:
+    """A file as ``ncu --page raw --csv`` writes it: ncu's messages, the header, a row of units, a row a kernel."""
+    names = ["ID", "Kernel Name", *kernels[0]]
+    with open(path, "w", newline="") as f:
+        f.write("==PROF== Connected to process 1\n==PROF== Profiling \"k\": 0%....100% - 40 passes\n")
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(names)
+        w.writerow(["", "", *("cycle" if "cycles" in m else "%" for m in kernels[0])])
+        for i, k in enumerate(kernels):
+            w.writerow([str(i), f"kernel_{i}", *k.values()])
+
+
+def test_ncu_prefill_compare_reads_raw_pages(tmp_path):
+    """ncu_prefill.py compare: the metrics that say where a kernel's time goes, side by side, from the raw
+    pages of two profiles (the rest left out); of a page with several kernels, the longest."""
+    ours = {"gpu__time_duration.sum": "370", "sm__cycles_active.avg": "640000", "other__metric": "1",
+            "smsp__average_warp_latency_issue_stalled_barrier_per_issue_active.ratio": "2.5"}
+    theirs = {**ours, "gpu__time_duration.sum": "350"}
+    _ncu_raw_csv(tmp_path / "a.csv", [ours])
+    _ncu_raw_csv(tmp_path / "b.csv", [theirs])
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ncu_prefill.py"), "compare", str(tmp_path / "a.csv"),
+                           str(tmp_path / "b.csv")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:]}
+    assert lines["gpu__time_duration.sum"] == ["%", "370", "350"]
+    assert lines["sm__cycles_active.avg"] == ["cycle", "640000", "640000"]
+    assert "smsp__average_warp_latency_issue_stalled_barrier_per_issue_active.ratio" in lines
+    assert "other__metric" not in lines
+    reset = {**ours, "gpu__time_duration.sum": "2", "sm__cycles_active.avg": "900"}
+    _ncu_raw_csv(tmp_path / "two.csv", [reset, ours])
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ncu_prefill.py"), "compare", str(tmp_path / "two.csv")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu__time_duration.sum" in proc.stdout and " 370" in proc.stdout and " 900" not in proc.stdout
