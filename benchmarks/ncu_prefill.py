@@ -114,6 +114,8 @@ def main(argv=None) -> None:
         return
     import torch
 
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_prefill.py run needs a CUDA GPU (and Nsight Compute around it)")
     call = make_call(args.impl, args.hdim, args.seqlen, args.causal, args.group)
     with torch.no_grad():
         for _ in range(2):
