@@ -36,8 +36,7 @@ import sys
 from pathlib import Path
 
 import common
-
-TOKENS, WIDTH = 16384, 2048
+from prefill import TOKENS, WIDTH  # prefill.py's shapes
 
 
 def parse_arm(text: str) -> dict:

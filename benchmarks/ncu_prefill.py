@@ -20,7 +20,7 @@ import csv
 import re
 import sys
 
-TOKENS, WIDTH = 16384, 2048
+from prefill import TOKENS, WIDTH  # prefill.py's shapes
 
 # Metric name patterns for ``compare``, in the order printed (a metric is shown once, under its first match).
 PATTERNS = (

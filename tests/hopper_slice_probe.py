@@ -76,7 +76,10 @@ def _probe(q_desc, k_desc, v_desc, Out, START: gl.constexpr):
 
 
 def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    """The shared-memory layout the forward's launcher gives a descriptor's tile."""
+    from tileattn.gpu.hopper import _smem_layout
+
+    return _smem_layout(tuple(block), torch.bfloat16)
 
 
 def run(d: int, start: int) -> dict[str, float]:
