@@ -370,18 +370,22 @@ def _dynamic_taken(q, k, params, sink=None) -> bool:
     return HopperFwd(params)._launch(q, k, k, torch.empty_like(q), lse, sink, None).constexprs["DYNAMIC"]
 
 
-@pytest.mark.parametrize("head_dim, seqlen, nheads_k, sms, sink", [
-    (128, 1000, 2, 7, False),  # GQA 4: 2 x 8 x 8 = 128 items over 7 programs
-    (128, 2048, 8, 3, False),  # MHA, 16 blocks a pair: 256 items over 3 programs
-    (64, 1000, 8, 5, True),  # sinks
-    (64, 777, 1, 11, False),  # MQA, the last block part-filled
-    (256, 1000, 4, 7, False),
-    (128, 300, 8, 13, False),  # 3 blocks a pair: 48 items, more programs than items a group
+@pytest.mark.parametrize("head_dim, seqlen, seqlen_k, nheads_k, sms, sink", [
+    (128, 1000, 1000, 2, 7, False),  # GQA 4: 2 x 8 x 8 = 128 items over 7 programs
+    (128, 2048, 2048, 8, 3, False),  # MHA, 16 blocks a pair: 256 items over 3 programs
+    (64, 1000, 1000, 8, 5, True),  # sinks
+    (64, 777, 777, 1, 11, False),  # MQA, the last block part-filled
+    (256, 1000, 1000, 4, 7, False),
+    (128, 300, 300, 8, 13, False),  # 3 blocks a pair: 48 items, more programs than items a group
+    (128, 1000, 300, 2, 7, False),  # more queries than keys: blocks whose rows see no key
+    (256, 300, 1000, 4, 7, True),  # more keys than queries, sinks
 ])
-def test_hopper_dynamic_schedule(monkeypatch, head_dim, seqlen, nheads_k, sms, sink):
+def test_hopper_dynamic_schedule(monkeypatch, head_dim, seqlen, seqlen_k, nheads_k, sms, sink):
     """The dynamic schedule (``DYNAMIC``): few programs (``_sms``) fetch many items each from the
-    counter. Equal to the reference, and bitwise to the static persistent round-robin over the same
-    grid (each item's arithmetic does not depend on which program runs it, nor when)."""
+    counter, each item's place posted by the producer with its index. Equal to the reference, and
+    bitwise to the static persistent round-robin over the same grid (each item's arithmetic does not
+    depend on which program runs it, nor when). Unequal lengths move the diagonal off the blocks' corners
+    and leave the place's every field in use."""
     from tileattn.gpu import hopper
 
     monkeypatch.setattr(hopper, "_sms", lambda q: sms)
@@ -389,14 +393,15 @@ def test_hopper_dynamic_schedule(monkeypatch, head_dim, seqlen, nheads_k, sms, s
     monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
     params = AttnParams(head_dim**-0.5, -1, 0)
     q = torch.empty(2, seqlen, 8, head_dim, dtype=torch.bfloat16, device="cuda")
-    k = torch.empty(2, seqlen, nheads_k, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(2, seqlen_k, nheads_k, head_dim, dtype=torch.bfloat16, device="cuda")
     assert _dynamic_taken(q, k, params), "the call does not take the dynamic schedule"
-    seed = head_dim + seqlen + sms
-    out, lse = _run(seed, 2, seqlen, seqlen, 8, nheads_k, head_dim, torch.bfloat16, causal=True, sink=sink)
+    seed = head_dim + seqlen + seqlen_k + sms
+    out, lse = _run(seed, 2, seqlen, seqlen_k, 8, nheads_k, head_dim, torch.bfloat16, causal=True, sink=sink)
     monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", False)
     monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)  # the same persistent grid, static
     assert not _dynamic_taken(q, k, params)
-    static, lse_static = _run(seed, 2, seqlen, seqlen, 8, nheads_k, head_dim, torch.bfloat16, causal=True, sink=sink)
+    static, lse_static = _run(seed, 2, seqlen, seqlen_k, 8, nheads_k, head_dim, torch.bfloat16, causal=True,
+                              sink=sink)
     assert torch.equal(out, static) and torch.equal(lse, lse_static)
 
 

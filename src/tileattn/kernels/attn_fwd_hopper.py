@@ -227,21 +227,38 @@ def _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
 
 
 @gluon.jit
-def _post_index(slot, w):
-    """Write work item index ``w`` into the [1] int32 shared ``slot`` (from the producer's one warp);
-    every lane writes it, and the warp's barrier orders all lanes' writes before the mbarrier arrive
-    (a release) that follows."""
+def _post_index(slots, at, w, work):
+    """Write work item index ``w`` and its place ``work`` = (b, h, split, m_start, seqlen_k, n_lo, n_hi)
+    into slot ``at`` (``slots``' rows 8 at .. 8 at + 7, int32 [1] each: a slot per Q buffer and warpgroup),
+    from the producer's one warp, which has worked them out for its copies: the consumers then skip
+    ``_work``'s divisions, which sit between an item's last P V product and its next S product. Every lane
+    writes them, and the warp's barrier orders all lanes' writes before the mbarrier arrive (a release)
+    that follows. ``work`` None: the end index alone."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    slot.store(gl.full([1], w, gl.int32, layout=layout))
+    slots.index(8 * at).store(gl.full([1], w, gl.int32, layout=layout))
+    if work is not None:
+        for k in gl.static_range(7):
+            slots.index(8 * at + k + 1).store(gl.full([1], work[k], gl.int32, layout=layout))
     gl.thread_barrier()
 
 
 @gluon.jit
-def _read_index(slot):
-    """The work item index in the [1] int32 shared ``slot`` (read by a consumer warpgroup after the
-    wait on the barrier phase that the producer's post released)."""
+def _read_scalar(slot):
+    """The int32 in the [1] shared ``slot``, read by every thread of a consumer warpgroup."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     return gl.max(slot.load(layout), axis=0)
+
+
+@gluon.jit
+def _read_index(slots, at):
+    """The work item index and its place in slot ``at`` (``_post_index``), read by a consumer warpgroup
+    after the wait on the barrier phase that the producer's post released: (w, (b, h, split, m_start,
+    seqlen_k, n_lo, n_hi)); at the end index the place is whatever the slot held."""
+    return _read_scalar(slots.index(8 * at)), (
+        _read_scalar(slots.index(8 * at + 1)), _read_scalar(slots.index(8 * at + 2)),
+        _read_scalar(slots.index(8 * at + 3)), _read_scalar(slots.index(8 * at + 4)),
+        _read_scalar(slots.index(8 * at + 5)), _read_scalar(slots.index(8 * at + 6)),
+        _read_scalar(slots.index(8 * at + 7)))
 
 
 @gluon.jit
@@ -250,8 +267,9 @@ def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, ge
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr):
     """The producer's copies of work item ``w``: the two warpgroups' Q tiles into the item's pair of
-    Q buffers (with ``DYNAMIC`` the index ``w`` posted to each warpgroup's slot first), then K and V
-    tile by tile. ``c``: K/V copies issued so far, ``j``: items loaded so far; returns them updated."""
+    Q buffers (with ``DYNAMIC`` the index ``w`` and the item's place posted to each warpgroup's slot
+    first), then K and V tile by tile. ``c``: K/V copies issued so far, ``j``: items loaded so far;
+    returns them updated."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
@@ -260,8 +278,8 @@ def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, ge
         qb, q_phase = _q_buffers(j, Q_BUFS)
         for wg in gl.static_range(2):
             mbarrier.wait(q_empty.index(qb + wg), q_phase ^ 1)
-            if DYNAMIC:  # the item's index, read by the warpgroup once this phase completes
-                _post_index(slots.index(qb + wg), w)
+            if DYNAMIC:  # the item's index and place, read by the warpgroup once this phase completes
+                _post_index(slots, qb + wg, w, (b, h, split, m_start, seqlen_k, n_lo, n_hi))
             mbarrier.expect(q_full.index(qb + wg), q_desc.block_type.nbytes)
             if QPACK > 1:  # rows (query, head of the group) of the 5-D view (B, S, H_k, QPACK, D)
                 tma.async_copy_global_to_shared(q_desc, [b_desc, q_start + (m_start + wg * ROWS_WG) // QPACK, h,
@@ -304,10 +322,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
 
     ``DYNAMIC``: the first item is the program's id; the next one is fetched (``P + atomic_add(Counter,
     1)``) once the current item's last K/V copy is issued, STAGES tiles before the consumers finish
-    it, so the atomic's latency hides behind those tiles, and its index goes to each warpgroup's slot
-    before the phase of its ``q_full`` that starts the item. An index past the items ends the loop:
-    after the last item's Q is released, the end index is posted and ``q_full`` arrived on without a
-    copy (the kernel's docstring)."""
+    it, so the atomic's latency hides behind those tiles, and its index and place go to each warpgroup's
+    slot before the phase of its ``q_full`` that starts the item. An index past the items ends the loop:
+    after the last item's Q is released, the end index is posted (alone) and ``q_full`` arrived on
+    without a copy (the kernel's docstring)."""
     q_full, q_empty = bars[0], bars[1]
     batch, nheads, seqlen_q, num_splits = geom[3], geom[4], geom[5], geom[9]
     items = gl.cdiv(seqlen_q * QPACK, 2 * ROWS_WG) * batch * (nheads // QPACK) * num_splits
@@ -323,7 +341,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
         qb, q_phase = _q_buffers(j, Q_BUFS)
         for wg in gl.static_range(2):  # the end: an index past the items, its phase completed without a copy
             mbarrier.wait(q_empty.index(qb + wg), q_phase ^ 1)
-            _post_index(slots.index(qb + wg), w)
+            _post_index(slots, qb + wg, w, None)
             mbarrier.arrive(q_full.index(qb + wg), count=1)
     else:
         for w in range(gl.program_id(0), items, gl.num_programs(0)):
@@ -422,14 +440,16 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
 
 
 @gluon.jit
-def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
-                  Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit,
-                  scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
+def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out,
+                  Lse, Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
+                  stride_lsplit, scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                   PAGE: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
                   Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, WAIT_Q: gl.constexpr):
     """Work item ``w`` for warpgroup ``WG`` (``_consumer``): ``c`` K/V copies and ``j`` items consumed
     before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has).
+    ``work``: the item's place as the producer posted it (``_post_index``; ``DYNAMIC``, whose calls are
+    dense), or None: worked out here (``_work``).
 
     ``S_AHEAD`` (the launcher's rule, per head dim): the key tiles in pairs, the S product one tile
     ahead of the softmax (``_tiles_s_ahead``)."""
@@ -447,8 +467,13 @@ def _consume_item(w, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_ring, bar
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
-        w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
+    if work is None:
+        b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
+            w, geom, GROUP, QPACK, BLOCK_N, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT)
+    else:  # dense: sequence b from row 0 (_sequence), every posted item valid
+        gl.static_assert(not IS_VARLEN, "posted places are for dense calls")
+        b, h, split, m_start, seqlen_k, n_lo, n_hi = work
+        q_start, seqlen_q, b_desc, valid = 0, geom[5], b, True
     if valid:
         m_start = m_start + WG * ROWS_WG  # in packed rows
         _, full_lo, full_hi, _ = _tile_range(m_start // QPACK, ROWS_WG // QPACK, BLOCK_N, seqlen_q, seqlen_k,
@@ -561,8 +586,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
     completed, not after the item's last P V product (the launcher's rule: the head dims where
     this was measured to gain).
 
-    ``DYNAMIC``: the warpgroup learns each item's index from its slot once the item's ``q_full``
-    phase has completed, and leaves at an index past the items (``_producer``).
+    ``DYNAMIC``: the warpgroup learns each item's index and place from its slot once the item's
+    ``q_full`` phase has completed, and leaves at an index past the items (``_producer``).
 
     ``Q_BUFS``: item j reads Q buffer, barriers and slot ``2 (j % Q_BUFS) + WG`` at phase
     ``(j // Q_BUFS) & 1`` (``_q_buffers``)."""
@@ -582,20 +607,20 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
     j = 0  # work items done: the Q buffer's phase
     if DYNAMIC:
         mbarrier.wait(q_full.index(WG), 0)  # the first item's Q (or the end): pair 0, phase 0
-        w = _read_index(slots.index(WG))
+        w, work = _read_index(slots, WG)
         while w < items:
-            c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
-                                 Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
-                                 stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+            c, j = _consume_item(w, work, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out,
+                                 Lse, Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh,
+                                 stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
                                  MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, False)
             qb, q_phase = _q_buffers(j, Q_BUFS)
             mbarrier.wait(q_full.index(qb + WG), q_phase)  # the next item's Q (or the end), after this item's epilogue
-            w = _read_index(slots.index(qb + WG))
+            w, work = _read_index(slots, qb + WG)
     else:
         for w in range(gl.program_id(0), items, gl.num_programs(0)):
-            c, j = _consume_item(w, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse,
-                                 Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls,
-                                 stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
+            c, j = _consume_item(w, None, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out,
+                                 Lse, Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh,
+                                 stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
                                  MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, True)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the staging tile before the program ends
@@ -638,13 +663,15 @@ def _attn_fwd_hopper_kernel(
     by the producer once it has issued the current item's last K/V copy (the consumers are then
     ``STAGES`` tiles from its end: the atomic's latency hides behind them, and the claim comes
     late enough for the order to be served nearly greedily: docs/perf-notes.md's model). The
-    producer hands the index to the consumer warpgroups through ``slots`` (int32 [2, 1] in shared
-    memory, one per warpgroup): after its wait on ``q_empty[wg]`` it writes ``slots[wg]``, then
-    starts ``q_full[wg]``'s phase (``expect``, an arrive with release semantics, then the Q copy);
-    the warpgroup waits on that phase (acquire) and reads the slot, then computes ``_work`` of the
-    index. An index >= the item count ends the program: the producer, after ``q_empty[wg]``,
-    writes it to both slots and arrives on ``q_full[wg]`` without a copy; each consumer reads it
-    after its last epilogue and leaves its loop, and the producer has left its own.
+    producer hands the index to the consumer warpgroups through ``slots`` (a slot of 8 int32 in shared
+    memory per Q buffer of each warpgroup): after its wait on ``q_empty[wg]`` it writes the index and
+    the item's place from its own ``_work`` (``_post_index``) to ``wg``'s slot, then starts
+    ``q_full[wg]``'s phase (``expect``, an arrive with release semantics, then the Q copy); the
+    warpgroup waits on that phase (acquire) and reads the slot (``_read_index``), so the divisions of
+    ``_work`` are not between its last item's end and its next S product. An index >= the item count
+    ends the program: the producer, after ``q_empty[wg]``, writes it to both slots and arrives on
+    ``q_full[wg]`` without a copy; each consumer reads it after its last epilogue and leaves its loop,
+    and the producer has left its own.
 
     Why this cannot deadlock, nor hand out an item twice or never:
     * The atomic returns each value once, so items P, P + 1, ... go to one program each, and
@@ -658,8 +685,8 @@ def _attn_fwd_hopper_kernel(
       item, so what is said below of ``q_full[wg]``, ``q_empty[wg]`` and ``slots[wg]`` holds for
       each pair's; the producer runs at most Q_BUFS items ahead on Q, the K/V ring keeps its order.
     * A slot is written again only after ``q_empty[wg]`` of the item it holds has completed, and
-      a consumer arrives there only after reading the slot (the index drives the whole item), so
-      no index is overwritten unread. The producer's lanes all write the slot, then the warp's
+      a consumer arrives there only after reading the slot (all its fields, at the item's start), so
+      no index or place is overwritten unread. The producer's lanes all write the slot, then the warp's
       barrier, then one lane's release-arrive: the consumers' acquire-wait sees the value.
     * The end: each consumer arrives on ``q_empty`` once per item (before its epilogue, with or
       without ``Q_EARLY``), so the producer's last wait on it completes; its arrive on ``q_full``
@@ -689,9 +716,9 @@ def _attn_fwd_hopper_kernel(
         o_stage = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_stage: gl.constexpr = None
-    if DYNAMIC:  # each consumer warpgroup's slot for the index of its next work item
+    if DYNAMIC:  # each consumer warpgroup's slots (one per Q buffer) for its next work item's index and place
         gl.static_assert(not IS_VARLEN, "every dynamic item is valid (dense rows)")
-        slots = gl.allocate_shared_memory(gl.int32, [2 * Q_BUFS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        slots = gl.allocate_shared_memory(gl.int32, [2 * Q_BUFS * 8, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
         slots: gl.constexpr = None
     for i in gl.static_range(2 * Q_BUFS):
