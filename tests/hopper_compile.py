@@ -655,7 +655,7 @@ def main() -> int:
     plain_stack = {}  # (case, tile) -> local memory of a forward or append launch without the folded check or the merge
     for name, fn, args, kwargs in todo:
         tile = {k: v for k, v in kwargs.items() if k.startswith(("BLOCK", "num_", "STAGES", "maxnreg", "TMA_STORE"))
-                or (k in ("DYNAMIC", "OVERLAP", "S_AHEAD") and v)}
+                or (k in ("DYNAMIC", "OVERLAP", "S_AHEAD", "KV_BAR") and v)}
         if fn is attn_bwd_hopper._attn_bwd_hopper_kernel:  # the streamed column tile, from its descriptor
             tile["BLOCK_C"] = args[2].block_shape[1]
         fp8 = fn is decode_fp8_hopper._decode_fp8_hopper_kernel

@@ -508,14 +508,17 @@ def test_hopper_dynamic_counter_per_call(monkeypatch):
         assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"call {i}"
 
 
-def _s_ahead_both_ways(monkeypatch, head_dim, call):
+def _s_ahead_kv_bar_every_way(monkeypatch, head_dim, call):
     """``call()`` (which checks its outputs against the reference and returns them) with the key tiles
-    in pairs and the S product one tile ahead (``S_AHEAD``) at ``head_dim``, then without: every launch
-    takes the flag as set (recorded from ``hopper._fwd_launch``) and the outputs are bitwise equal (the
-    same operations on every value, in another order between the two warpgroups' instructions). A
-    missing or doubled barrier arrival would hang here (the GPU run's timeout catches it). At head dim
-    128 the flag is off in the launcher; there it comes with ``Q_EARLY`` and ptxas serialises every
-    wgmma (registers): those cases check the values and the barriers, not the overlap."""
+    in pairs and the S product one tile ahead (``S_AHEAD``) at ``head_dim`` and without, each with a ring
+    slot's K and V on one pair of barriers (``KV_BAR``) and on two: every launch takes the flags as set
+    (recorded from ``hopper._fwd_launch``) and the outputs are bitwise equal (the same operations on every
+    value, in another order between the two warpgroups' instructions; ``KV_BAR`` changes only the
+    synchronisation). A missing or doubled barrier arrival would hang here (the GPU run's timeout catches
+    it). At head dim 128 the flags are off in the launcher; there ``S_AHEAD`` comes with ``Q_EARLY`` and
+    ptxas serialises every wgmma (registers): those cases check the values and the barriers, not the
+    overlap; and both flags together need 3 stages (the kernel's static assertion), which 128 has not:
+    that pair is left out there."""
     from tileattn.gpu import hopper
 
     made = hopper._fwd_launch
@@ -523,19 +526,24 @@ def _s_ahead_both_ways(monkeypatch, head_dim, call):
 
     def recording(*args, **kwargs):
         launch = made(*args, **kwargs)
-        flags.append(launch.constexprs["S_AHEAD"])
+        flags.append((launch.constexprs["S_AHEAD"], launch.constexprs["KV_BAR"]))
         return launch
 
     monkeypatch.setattr(hopper, "_fwd_launch", recording)
+    ways = [(s_ahead, kv_bar) for s_ahead in (True, False) for kv_bar in (True, False)
+            if not (s_ahead and kv_bar and hopper.HOPPER_TILES[head_dim][1] < 3)]
     results = []
-    for on in (True, False):
-        monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", (head_dim,) if on else ())
+    for s_ahead, kv_bar in ways:
+        monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", (head_dim,) if s_ahead else ())
+        monkeypatch.setattr(hopper, "KV_BAR_HEAD_DIMS", (head_dim,) if kv_bar else ())
         flags.clear()
         results.append(call())
         torch.cuda.synchronize()
-        assert flags and flags == [on] * len(flags), f"S_AHEAD {on} not taken: {flags}"
-    for i, (a, b) in enumerate(zip(*results)):
-        assert torch.equal(a, b), f"output {i} differs between the flag on and off"
+        assert flags and flags == [(s_ahead, kv_bar)] * len(flags), \
+            f"S_AHEAD, KV_BAR {s_ahead, kv_bar} not taken: {flags}"
+    for way, result in zip(ways[1:], results[1:]):
+        for i, (a, b) in enumerate(zip(results[0], result)):
+            assert torch.equal(a, b), f"output {i} differs between S_AHEAD, KV_BAR {ways[0]} and {way}"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -545,7 +553,7 @@ def _s_ahead_both_ways(monkeypatch, head_dim, call):
 def test_hopper_s_ahead_dense(monkeypatch, head_dim, causal, seqlen_q, seqlen_k):
     """Items of 1 to 5 key tiles (a first tile alone, whole pairs, a pair and one more) and of many,
     causal blocks of every length up to 16 tiles, one query over many keys, blocks without keys."""
-    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+    _s_ahead_kv_bar_every_way(monkeypatch, head_dim, lambda: _run(
         seqlen_q + 3 * seqlen_k + causal, 2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, causal=causal,
         check_rule=seqlen_q >= 128))
 
@@ -554,7 +562,7 @@ def test_hopper_s_ahead_dense(monkeypatch, head_dim, causal, seqlen_q, seqlen_k)
 @pytest.mark.parametrize("window", [(64, 0), (100, 20), (-1, 50), (300, -1)])
 def test_hopper_s_ahead_window_sink(monkeypatch, head_dim, window):
     """Sliding windows (masked tiles on both sides of the pairs) with learnable sinks."""
-    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+    _s_ahead_kv_bar_every_way(monkeypatch, head_dim, lambda: _run(
         sum(window) + head_dim, 2, 513, 700, 8, 2, head_dim, torch.bfloat16, window=window, sink=True))
 
 
@@ -562,7 +570,7 @@ def test_hopper_s_ahead_window_sink(monkeypatch, head_dim, window):
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_s_ahead_varlen(monkeypatch, head_dim, causal):
     """Packed sequences with a zero-length one and one without keys, GQA 2 and sinks."""
-    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run_varlen(causal, 2, True, head_dim=head_dim))
+    _s_ahead_kv_bar_every_way(monkeypatch, head_dim, lambda: _run_varlen(causal, 2, True, head_dim=head_dim))
 
 
 @pytest.mark.parametrize("head_dim, page, group, prefix_len, rows", [
@@ -571,7 +579,7 @@ def test_hopper_s_ahead_varlen(monkeypatch, head_dim, causal):
     (64, 256, 4, 2048 + 40, 64)])  # pages larger than a tile
 def test_hopper_s_ahead_paged_partials(monkeypatch, head_dim, page, group, prefix_len, rows):
     """Split partials over a paged pool (QPACK, PAGE, NUM_SPLITS), whose unused slots hold NaN."""
-    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run_partials(head_dim, page, group, prefix_len, rows))
+    _s_ahead_kv_bar_every_way(monkeypatch, head_dim, lambda: _run_partials(head_dim, page, group, prefix_len, rows))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -588,5 +596,42 @@ def test_hopper_s_ahead_walks_many_items(monkeypatch, head_dim, dynamic):
     monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", dynamic)
     q = torch.empty(2, 1000, 8, head_dim, dtype=torch.bfloat16, device="cuda")
     assert _dynamic_taken(q, q, AttnParams(head_dim**-0.5, -1, 0)) == dynamic
-    _s_ahead_both_ways(monkeypatch, head_dim, lambda: _run(
+    _s_ahead_kv_bar_every_way(monkeypatch, head_dim, lambda: _run(
         1000 + head_dim, 2, 1000, 1000, 8, 8, head_dim, torch.bfloat16, causal=True))
+
+
+@pytest.mark.parametrize("s_ahead", [True, False])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hopper_kv_bar_fewest_stages(monkeypatch, s_ahead, dynamic):
+    """``KV_BAR`` at head dim 64 with the fewest ring stages its loops allow (the kernel's docstring: 3
+    with ``S_AHEAD``, which holds two slots while it waits for the next copy; 2 without), on a persistent
+    grid of 3 programs walking 2 x 8 x 8 causal items, so the producer waits on every slot's release: a
+    release counted wrong or too late would hang (the GPU run's timeout) or read a slot being refilled."""
+    from tileattn.gpu import hopper
+
+    monkeypatch.setitem(hopper.HOPPER_TILES, 64, (hopper.HOPPER_TILES[64][0], 3 if s_ahead else 2))
+    monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", (64,) if s_ahead else ())
+    monkeypatch.setattr(hopper, "KV_BAR_HEAD_DIMS", (64,))
+    monkeypatch.setattr(hopper, "_sms", lambda q: 3)
+    monkeypatch.setattr(hopper, "ORDER_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "PERSISTENT_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_MIN_GROUP", 1)
+    monkeypatch.setattr(hopper, "DYNAMIC_SCHEDULE", dynamic)
+    made, taken = hopper._fwd_launch, []
+
+    def recording(*args, **kwargs):
+        launch = made(*args, **kwargs)
+        taken.append({k: launch.constexprs[k] for k in ("STAGES", "S_AHEAD", "KV_BAR", "DYNAMIC")})
+        return launch
+
+    monkeypatch.setattr(hopper, "_fwd_launch", recording)
+    out, lse = _run(1064, 2, 1000, 1000, 8, 8, 64, torch.bfloat16, causal=True)
+    torch.cuda.synchronize()
+    want = dict(STAGES=3 if s_ahead else 2, S_AHEAD=s_ahead, KV_BAR=True, DYNAMIC=dynamic)
+    assert taken and all(t == want for t in taken), taken
+    # the same call on 4 stages: bitwise the same (a slot read while being refilled could stay within tolerance)
+    monkeypatch.setitem(hopper.HOPPER_TILES, 64, (hopper.HOPPER_TILES[64][0], 4))
+    taken.clear()
+    out4, lse4 = _run(1064, 2, 1000, 1000, 8, 8, 64, torch.bfloat16, causal=True)
+    assert taken and all(t["STAGES"] == 4 for t in taken), taken
+    assert torch.equal(out, out4) and torch.equal(lse, lse4)

@@ -592,12 +592,14 @@ def test_s_ahead_head_dims():
     assert hopper.S_AHEAD_HEAD_DIMS == (64,)
 
 
+@pytest.mark.parametrize("flag", ["S_AHEAD", "KV_BAR"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dims", [(), (64, 128, 256)])
-def test_s_ahead_flag_follows_head_dims(fwd_launches, monkeypatch, head_dim, dims):
-    """``S_AHEAD`` is set from ``S_AHEAD_HEAD_DIMS`` alone, for a dense call (unmasked and causal) and
-    a packed one."""
-    monkeypatch.setattr(hopper, "S_AHEAD_HEAD_DIMS", dims)
+def test_loop_flags_follow_head_dims(fwd_launches, monkeypatch, flag, head_dim, dims):
+    """``S_AHEAD`` and ``KV_BAR`` are each set from their launcher tuple (``S_AHEAD_HEAD_DIMS``,
+    ``KV_BAR_HEAD_DIMS``) alone, for a dense call (unmasked and causal), a packed one and the split
+    partials over a paged pool."""
+    monkeypatch.setattr(hopper, f"{flag}_HEAD_DIMS", dims)
     q, k, v = _dense(1, 256, 2, head_dim)
     for right in (-1, 0):
         hopper.hopper_attn_fwd(q, k, v, torch.empty_like(q), torch.empty(1, 2, 256),
@@ -606,4 +608,19 @@ def test_s_ahead_flag_follows_head_dims(fwd_launches, monkeypatch, head_dim, dim
     hopper.hopper_attn_fwd(q[0], k[0], v[0], torch.empty_like(q[0]), torch.empty(2, 256),
                            params=AttnParams(head_dim**-0.5, -1, 0), cu_seqlens_q=cu, cu_seqlens_k=cu,
                            max_seqlen_q=156, max_seqlen_k=156)
-    assert [c["S_AHEAD"] for c, _ in fwd_launches] == [head_dim in dims] * 3
+    pool = torch.randn(40, 16, 2, head_dim).to(torch.bfloat16)
+    table = torch.randperm(40)[:32].view(1, 32).to(torch.int32)
+    hopper.hopper_attn_partials(q[:, :64], pool, pool, torch.empty(2, 1, 64, 2, head_dim), torch.empty(2, 1, 2, 64),
+                                params=AttnParams(head_dim**-0.5), block_table=table,
+                                seqused_k=torch.tensor([500], dtype=torch.int32), max_seqlen_k=512)
+    assert [c[flag] for c, _ in fwd_launches] == [head_dim in dims] * 4
+
+
+def test_kv_bar_head_dims():
+    """A ring slot's K and V share one pair of barriers (``KV_BAR``) at head dim 64 alone (not yet measured:
+    the SASS's count of warpgroup barriers), with 4 stages there; with ``S_AHEAD`` the kernel needs 3 stages
+    (its static assertion), so every head dim with both flags has them."""
+    assert hopper.KV_BAR_HEAD_DIMS == (64,)
+    assert hopper.HOPPER_TILES[64][1] == 4
+    for head_dim in set(hopper.KV_BAR_HEAD_DIMS) & set(hopper.S_AHEAD_HEAD_DIMS):
+        assert hopper.HOPPER_TILES[head_dim][1] >= 3, head_dim

@@ -14,7 +14,7 @@ the same (dense, no mask) and for dense causal calls whose grouped work order ho
 causal calls on a persistent grid take their items dynamically from a per-call counter (``DYNAMIC``,
 ``_causal_grid``, ``_item_counter``), which also brings groups of ``DYNAMIC_MIN_GROUP`` pairs onto it.
 Tiles per head dim: (BLOCK_N, STAGES); shared memory is the two Q tiles plus STAGES K and V tiles: hdim 128
--> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 3 x 2 x 16 KB = 112 KB, hdim 256 -> 64 +
+-> 32 + 2 x 2 x 32 KB = 160 KB, hdim 64 -> 16 + 4 x 2 x 16 KB = 144 KB (4 stages for ``KV_BAR``), hdim 256 -> 64 +
 2 x 2 x 32 KB = 192 KB; at ``DOUBLE_Q_HEAD_DIMS`` (64) two more Q tiles, 16 KB (``Q_BUFS``). The
 output goes through shared memory and one asynchronous TMA copy per warpgroup (``TMA_STORE``,
 ``_out_block``) for dense calls (not packed: a tile past a sequence's end would overwrite the next
@@ -22,7 +22,7 @@ one's rows; TMA clips only at the tensor's bounds) whose ``out`` has q's dtype a
 strides, at head dims ``TMA_STORE_HEAD_DIMS``; the others store from
 registers, as packed calls, split partials and an fp32 ``out`` do, and so does a later call of a
 kept launch whose ``out`` is not 16-byte aligned (``HopperFwd``). Two staging tiles of 64 rows add
-2 x 8 KB at hdim 64 (128 KB in all), 2 x 16 KB at 128 (192 KB) and would add 2 x 32 KB at 256 (256
+2 x 8 KB at hdim 64 (160 KB in all), 2 x 16 KB at 128 (192 KB) and would add 2 x 32 KB at 256 (256
 KB, past the 227 KB a block may use). At hdim 128 the staging store costs registers: compiled for
 sm_90 its consumers keep 112-120 bytes of per-item values on the stack against 16-40 without (none
 in the key-tile loop; at hdim 64 the stack shrinks, 80 -> 40 bytes unmasked, 0 causal; table in
@@ -48,7 +48,7 @@ __all__ = ["hopper_fwd_reason", "fwd_signature_reason", "call_reason", "hopper_a
            "hopper_partials_reason", "hopper_partials_splits",
            "hopper_attn_partials", "HopperPartials", "HOPPER_TILES"]
 
-HOPPER_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
+HOPPER_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 2)}  # head_dim -> (BLOCK_N, STAGES)
 # The head dims whose output tiles go through shared memory (module docstring); 256's staging tiles do not
 # fit. Measured on the H200 (docs/perf-notes.md, 2026-12-01 14:45): hdim 128 +6 to +10 % at 2k, +2 to +3 %
 # at 8k over the register stores (with Q_EARLY), despite the stack it takes per work item.
@@ -61,13 +61,22 @@ Q_EARLY_HEAD_DIMS = (128,)
 # The head dims with two pairs of Q buffers (``Q_BUFS`` = 2): the producer loads the next item's Q, and
 # queues its K/V tiles behind it, while the consumers still read the current item's Q, instead of waiting
 # for that Q's release at the item's end. Costs 2 x ROWS_WG x HEAD_DIM x 2 bytes of shared memory: 16 KB
-# at hdim 64 (147.5 KB in all); 128 and 256 have no room (229 and 256 KB against 227).
+# at hdim 64 (176 KB in all with its 4 stages: 180,776 bytes compiled); 128 and 256 have no room (229 and 256 KB
+# against 227).
 DOUBLE_Q_HEAD_DIMS = (64,)
 # The head dims whose key-tile loop takes its tiles in pairs with the S product one tile ahead of the
 # softmax (``S_AHEAD``: a warpgroup's softmax overlaps its own next S product). Measured on the H200 at 64:
 # +3 to +4 % forward except causal 2k (level); 128 keeps it off (untested there; docs/perf-notes.md,
 # 2026-12-02 04:49).
 S_AHEAD_HEAD_DIMS = (64,)
+# The head dims whose ring slots keep one full and one empty barrier for their K and V together (``KV_BAR``):
+# a key tile costs each consumer warpgroup one mbarrier wait and one arrival instead of two and two, and
+# Triton puts a warpgroup barrier (bar.sync) next to most of them: compiled for sm_90, the S_AHEAD pair loop
+# has 5 BAR.SYNC and 4 SYNCS instructions per warpgroup instead of 7 and 8. K is then held until its tile's
+# P V product, so hdim 64 takes 4 stages instead of 3 (176 KB of shared memory with its four Q tiles and two
+# staging tiles, against 227). NOT YET RUN ON A GPU: not measured; 128 and 256 (2 stages, too few for
+# S_AHEAD with it) keep it off.
+KV_BAR_HEAD_DIMS = (64,)
 BLOCK_M, ROWS_WG = 128, 64
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 240, 24
 # The work order of unequal items (_order_group): groups of (sequence, head) pairs whose keys and
@@ -524,7 +533,7 @@ def _fwd_launch(q, k, o_strides, l_strides, params: AttnParams, batch, seqlen_q,
         MASK_LEFT=params.window_left >= 0, MASK_RIGHT=params.window_right >= 0, HAS_SINK=learnable_sink is not None,
         PAGE=page, BLOCK_N=block_n, STAGES=stages, TMA_STORE=o_block is not None,
         Q_EARLY=head_dim in Q_EARLY_HEAD_DIMS, DYNAMIC=dynamic, Q_BUFS=2 if head_dim in DOUBLE_Q_HEAD_DIMS else 1,
-        S_AHEAD=head_dim in S_AHEAD_HEAD_DIMS),
+        S_AHEAD=head_dim in S_AHEAD_HEAD_DIMS, KV_BAR=head_dim in KV_BAR_HEAD_DIMS),
         (q_block, kv_block, kv_block, o_block) + (None,) * 8, numbers)
 
 

@@ -6,7 +6,9 @@ The recurrence is the one of ``attn_fwd.py`` (log2 units, guarded rescale, ``out
 * Warp specialisation: one producer warp issues the TMA copies (the bulk tensor copy engine)
   of Q, and of K and V tile by tile, into rings of ``STAGES`` shared-memory buffers; two
   consumer warpgroups of 64 query rows each compute. Each slot has a ``full`` mbarrier (the
-  copy landed) and an ``empty`` one (both consumers are done with it). The descriptors are 4-D
+  copy landed) and an ``empty`` one (both consumers are done with it); with ``KV_BAR`` (the
+  launcher's rule, per head dim) a slot's K and V share them, so a tile costs each consumer one
+  wait and one arrival, not two and two (the kernel's docstring). The descriptors are 4-D
   over the (batch, seqlen, heads, head_dim) tensors, so a tile past a sequence's end reads
   zeros, never the next sequence's rows.
 * Both matmuls are warpgroup MMAs (wgmma) issued asynchronously; P goes to the second one from
@@ -108,10 +110,13 @@ def _tile_range(m_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, seqlen_q,
 
 
 @gluon.jit
-def _wait_tile(bars, ring, c, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _wait_tile(bars, ring, c, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               WAIT: gl.constexpr = True):
     """Wait for the ring's ``c``-th copy (counted over the program's whole run); its buffer as
-    a [BLOCK_N, HEAD_DIM] matrix."""
-    mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
+    a [BLOCK_N, HEAD_DIM] matrix. ``WAIT`` False: the buffer alone (with ``KV_BAR`` a V tile, which
+    landed in the ``k_full`` phase waited for before its K tile's S product)."""
+    if WAIT:
+        mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
     return ring.index(c % STAGES).reshape([BLOCK_N, HEAD_DIM])
 
 
@@ -171,11 +176,14 @@ def _work(w, geom, GROUP: gl.constexpr, QPACK: gl.constexpr, BLOCK_N: gl.constex
 
 @gluon.jit
 def _copy_kv(desc, ring, bar, slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb, table_len,
-             BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+             BLOCK_N: gl.constexpr, PAGE: gl.constexpr, EXPECT: gl.constexpr = True):
     """Issue the TMA copies of key tile ``t`` (K or V, by ``desc``) into ring slot ``slot``,
     completing on ``bar``: one copy of the dense tile, or one per page (``PAGE`` keys each,
-    or one tile of a larger page) with the page ids read from the block table."""
-    mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // desc.block_type.shape[1]))
+    or one tile of a larger page) with the page ids read from the block table. ``EXPECT``: after
+    the ``expect`` of their bytes (else the caller's: with ``KV_BAR`` one for K's and V's copies;
+    a page past the table counts its bytes all the same, TMA fills them with zeros)."""
+    if EXPECT:
+        mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // desc.block_type.shape[1]))
     if PAGE > 0:
         PAGE_ROWS: gl.constexpr = desc.block_type.shape[1]
         for i in gl.static_range(BLOCK_N // PAGE_ROWS):
@@ -265,11 +273,12 @@ def _read_index(slots, at):
 def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                slots, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-               DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr):
+               DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, KV_BAR: gl.constexpr):
     """The producer's copies of work item ``w``: the two warpgroups' Q tiles into the item's pair of
     Q buffers (with ``DYNAMIC`` the index ``w`` and the item's place posted to each warpgroup's slot
     first), then K and V tile by tile. ``c``: K/V copies issued so far, ``j``: items loaded so far;
-    returns them updated."""
+    returns them updated. ``KV_BAR``: a tile's K and V wait for the slot's one ``k_empty`` phase and
+    complete one ``k_full`` phase, whose ``expect`` counts both copies' bytes (the kernel's docstring)."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     b, h, hk, split, m_start, q_start, k_start, seqlen_q, seqlen_k, b_desc, n_lo, n_hi, valid = _work(
@@ -291,11 +300,19 @@ def _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, ge
             slot = c % STAGES
             phase = (c // STAGES) & 1
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
-                     table_len, BLOCK_N, PAGE)
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            _copy_kv(v_desc, v_ring, v_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
-                     table_len, BLOCK_N, PAGE)
+            if KV_BAR:  # the slot's K and V are free: both copies complete one phase of k_full
+                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[1])
+                                + v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[1]))
+                _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE, False)
+                _copy_kv(v_desc, v_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE, False)
+            else:
+                _copy_kv(k_desc, k_ring, k_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE)
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                _copy_kv(v_desc, v_ring, v_full.index(slot), slot, b, b_desc, hk, k_start, t, BlockTable, stride_tb,
+                         table_len, BLOCK_N, PAGE)
             c += 1
         j += 1
     return c, j
@@ -313,12 +330,14 @@ def _q_buffers(j, Q_BUFS: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len, slots,
               Counter, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-              DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr):
+              DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, KV_BAR: gl.constexpr):
     """The load warp: for each work item, the two warpgroups' Q tiles, then K and V tile by tile.
 
     A buffer is refilled once its consumers have arrived on its ``empty`` barrier (a fresh
     barrier counts as having completed the phase before its first, so round 0 starts at once);
-    the copies for the next item start while the consumers finish the current one.
+    the copies for the next item start while the consumers finish the current one. With ``KV_BAR``
+    a slot's K and V copies wait for its one ``k_empty`` phase and complete one ``k_full`` phase
+    together (``_load_item``).
 
     ``DYNAMIC``: the first item is the program's id; the next one is fetched (``P + atomic_add(Counter,
     1)``) once the current item's last K/V copy is issued, STAGES tiles before the consumers finish
@@ -336,7 +355,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
         while w < items:
             c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
                               stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS)
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS, KV_BAR)
             w = gl.num_programs(0) + gl.atomic_add(Counter, 1, sem="relaxed")  # the next free item
         qb, q_phase = _q_buffers(j, Q_BUFS)
         for wg in gl.static_range(2):  # the end: an index past the items, its phase completed without a copy
@@ -347,7 +366,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockT
         for w in range(gl.program_id(0), items, gl.num_programs(0)):
             c, j = _load_item(w, c, j, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable,
                               stride_tb, table_len, slots, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS)
+                              MASK_RIGHT, PAGE, STAGES, DYNAMIC, Q_BUFS, KV_BAR)
 
 
 @gluon.jit
@@ -372,7 +391,7 @@ def _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo, full
 def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_lo, n_hi, off, full_lo, full_hi, q_pos,
                    seqlen_k, diag_off, scale_log2, window_left, window_right, STAGES: gl.constexpr,
                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PAGE: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   Q_EARLY: gl.constexpr):
+                   Q_EARLY: gl.constexpr, KV_BAR: gl.constexpr):
     """Key tiles n_lo .. n_hi - 1 (n_hi > n_lo; tile t is the rings' copy t + off), after the first in
     pairs (t, t + 1), the S product one tile ahead of the softmax. Step t issues S_t and computes the
     softmax of S_{t-1} while S_t runs; in a pair's second step P_{t-1} V_{t-1} runs too, waited for
@@ -380,10 +399,25 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     when an accumulator stays in flight across the loop's back edge: docs/perf-notes.md, 2026-12-02
     04:07). The same operations on every value as ``_consume_item``'s loop (and one more: O, still
     zero, times tile n_lo's alpha, which is finite: +0), so bitwise the same outputs.
+
+    ``KV_BAR``: a pair's mbarrier operations are 2 waits (k_full of t and t + 1) and 2 arrivals
+    (k_empty of t - 1 and t, each after its P V product) instead of 4 and 4. Triton's shared-memory
+    barrier analysis puts a warpgroup barrier (``bar.sync``) between two consecutive mbarrier
+    operations of a partition unless both are waits, and also between a wgmma (a shared-memory
+    read) and a later wait, and between an arrival and a later wgmma: compiled for sm_90 the loop
+    has 7 per pair without the flag, 5 with it (before the wait for K_t, the wait for K_{t+1}, the
+    arrival for t - 1, the P_t V_t product and the arrival for t). A tile's K is then held until
+    its P V product, one tile longer: at the wait for K_{t+1} the slots of t - 1 (P_{t-1} V_{t-1}
+    still running) and t are held, so the producer can have issued copy t + 1 only with STAGES >= 3
+    (with 2 it would wait for slot t - 1, which this warpgroup releases only after that wait: a
+    deadlock).
     Returns (o, m_i, l_i)."""
     # waiting for K_{t+1} while V_{t-1} is still held needs the producer two V copies ahead
     gl.static_assert(STAGES >= 2, "S_AHEAD holds two V copies while it waits for the next K copy")
+    gl.static_assert(STAGES >= 3 or not KV_BAR, "S_AHEAD with KV_BAR holds two slots while it waits for the next")
     q_empty, k_full, v_full, k_empty, v_empty = bars[1], bars[2], bars[3], bars[4], bars[5]
+    if KV_BAR:  # a V tile's release is its slot's: K and V together
+        v_empty = k_empty
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     dtype: gl.constexpr = q_tile.dtype
@@ -393,36 +427,40 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
     s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
-    mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
+    if not KV_BAR:  # (with it, the slot is released after P V)
+        mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
     for t in range(n_lo + 1, n_hi - 1, 2):  # tiles t and t + 1
         s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo,
                                                 full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+        v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
         o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_{t-1} V_{t-1}
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t done, P_{t-1} V_{t-1} may run on
-        mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
+        if not KV_BAR:
+            mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
         s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t + 1, off,
                                                 full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok,))  # P_{t-1} V_{t-1} done, S_{t+1} may run on
         mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
+        v_tile = _wait_tile(v_full, v_ring, t + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
         o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_t V_t
         s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
-        mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
+        if not KV_BAR:
+            mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
         mbarrier.arrive(v_empty.index((t + off) % STAGES), count=1)
     if (n_hi - n_lo) % 2 == 0:  # one tile past the pairs: n_hi - 1
         s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, n_hi - 1, off,
                                                 full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, n_hi - 2 + off, STAGES, BLOCK_N, HEAD_DIM)
+        v_tile = _wait_tile(v_full, v_ring, n_hi - 2 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
         o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)
         s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
-        mbarrier.arrive(k_empty.index((n_hi - 1 + off) % STAGES), count=1)
+        if not KV_BAR:
+            mbarrier.arrive(k_empty.index((n_hi - 1 + off) % STAGES), count=1)
         mbarrier.arrive(v_empty.index((n_hi - 2 + off) % STAGES), count=1)
     if Q_EARLY:  # the item's last S product has completed
         mbarrier.arrive(q_empty.index(q_buf), count=1)
@@ -430,7 +468,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_hi - 1, q_pos, masked, seqlen_k, diag_off, scale_log2,
                                        window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT, s_layout)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
-    v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+    v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
     if PAGE > 0 or IS_VARLEN:  # as in _consume_item: the sequence's last tile's rows past its keys
         if n_hi * BLOCK_N > seqlen_k:
             _zero_rows_from(v_tile, seqlen_k - (n_hi - 1) * BLOCK_N, BLOCK_N, HEAD_DIM)
@@ -445,15 +483,28 @@ def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_rin
                   stride_lsplit, scale_log2, GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                   PAGE: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-                  Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, WAIT_Q: gl.constexpr):
+                  Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, KV_BAR: gl.constexpr, WAIT_Q: gl.constexpr):
     """Work item ``w`` for warpgroup ``WG`` (``_consumer``): ``c`` K/V copies and ``j`` items consumed
     before it; returns them updated. ``WAIT_Q``: wait here for the item's Q (else the caller has).
     ``work``: the item's place as the producer posted it (``_post_index``; ``DYNAMIC``, whose calls are
     dense), or None: worked out here (``_work``).
 
     ``S_AHEAD`` (the launcher's rule, per head dim): the key tiles in pairs, the S product one tile
-    ahead of the softmax (``_tiles_s_ahead``)."""
+    ahead of the softmax (``_tiles_s_ahead``).
+
+    ``KV_BAR`` (the launcher's rule, per head dim): a slot's K and V share its ``k_full`` and ``k_empty``
+    barriers. The warpgroup waits on ``k_full`` before a tile's S product, as without the flag, but not
+    again before its P V product (the same phase brought V: ``_wait_tile`` without the wait), and
+    arrives on ``k_empty`` once per tile, after its P V product has completed (where V's arrival is
+    without the flag: ``v_empty`` is bound to ``k_empty``), instead of once on K's after the S product
+    and once on V's after P V. In this loop a tile's mbarrier operations are then one wait and one
+    arrival (two and two without; compiled for sm_90, 2 warpgroup barriers a tile instead of 3). At
+    the wait for K_t the slot of t - 1 is still held (its P V product is issued after that wait), as
+    V's is without the flag: STAGES >= 2. The flag's branches are constexpr and leave the calls as
+    they were, so without it the kernel compiles to the same machine code as before the flag."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
+    if KV_BAR:  # a V tile's release is its slot's: K and V together
+        v_empty = k_empty
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
@@ -494,12 +545,14 @@ def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_rin
         if S_AHEAD and n_hi > n_lo:
             o, m_i, l_i = _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, qb + WG, o, m_i, l_i, n_lo, n_hi, off,
                                          full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
-                                         window_right, STAGES, MASK_LEFT, MASK_RIGHT, PAGE, IS_VARLEN, Q_EARLY)
+                                         window_right, STAGES, MASK_LEFT, MASK_RIGHT, PAGE, IS_VARLEN, Q_EARLY,
+                                         KV_BAR)
         elif n_hi > n_lo:
             # Tile n_lo alone: its scores and softmax; its P V product is issued in the loop.
             k_tile = _wait_tile(k_full, k_ring, n_lo + off, STAGES, BLOCK_N, HEAD_DIM)
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
-            mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
+            if not KV_BAR:  # (with it, the slot is released after P V)
+                mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
             masked = (n_lo < full_lo) | (n_lo >= full_hi)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_lo, q_pos, masked, seqlen_k, diag_off, scale_log2,
                                                window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
@@ -507,11 +560,12 @@ def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_rin
             for t in range(n_lo + 1, n_hi):
                 k_tile = _wait_tile(k_full, k_ring, t + off, STAGES, BLOCK_N, HEAD_DIM)
                 s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+                v_tile = _wait_tile(v_full, v_ring, t - 1 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)  # [ROWS_WG, BLOCK_N] A operand in registers
                 o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t ready, P V still running
-                mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
+                if not KV_BAR:
+                    mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
                 masked = (t < full_lo) | (t >= full_hi)
                 p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, q_pos, masked, seqlen_k, diag_off, scale_log2,
                                                    window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT,
@@ -523,7 +577,7 @@ def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_rin
                 # the next item's Q, and the K/V tiles it queues behind it, during this item's last
                 # P V product and epilogue
                 mbarrier.arrive(q_empty.index(qb + WG), count=1)
-            v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM)
+            v_tile = _wait_tile(v_full, v_ring, n_hi - 1 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
             if PAGE > 0 or IS_VARLEN:
                 # the sequence's last tile: its rows past the keys are a page's other slots or the next
                 # packed sequence's keys, whose P is 0 but whose V may hold inf or NaN (0 x inf = NaN)
@@ -568,7 +622,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
               GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
               STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr, DYNAMIC: gl.constexpr,
-              Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr):
+              Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, KV_BAR: gl.constexpr):
     """One warpgroup: for each work item, the recurrence for its 64 query rows (rows
     [64 WG, 64 WG + 64) of the block) over every key tile of the block (of its split).
 
@@ -612,7 +666,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
             c, j = _consume_item(w, work, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out,
                                  Lse, Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh,
                                  stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, False)
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, KV_BAR,
+                                 False)
             qb, q_phase = _q_buffers(j, Q_BUFS)
             mbarrier.wait(q_full.index(qb + WG), q_phase)  # the next item's Q (or the end), after this item's epilogue
             w, work = _read_index(slots, qb + WG)
@@ -621,7 +676,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_ring, v_ring, bars, geom, o_desc, o_st
             c, j = _consume_item(w, None, c, j, WG, q_smem, s_zero, k_ring, v_ring, bars, geom, o_desc, o_stage, Out,
                                  Lse, Sink, stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_lh,
                                  stride_ls, stride_lsplit, scale_log2, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT,
-                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, True)
+                                 MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY, Q_BUFS, S_AHEAD, KV_BAR,
+                                 True)
     if TMA_STORE:
         tma.store_wait(0)  # the last copy has read the staging tile before the program ends
 
@@ -634,8 +690,8 @@ def _attn_fwd_hopper_kernel(
     GROUP: gl.constexpr, QPACK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, Q_EARLY: gl.constexpr,
-    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, S_AHEAD: gl.constexpr, KV_BAR: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Program ``pid`` of ``P`` walks work items pid, pid + P, ... (one query block of 128 rows
     of one (sequence, head, key split) each, ordered by ``_work``): with P = the number of SMs
@@ -698,7 +754,39 @@ def _attn_fwd_hopper_kernel(
 
     The counter is a fresh zeroed tensor per launch (``gpu/hopper.py``'s ``_item_counter``), not
     one kept by the launcher and reset by the kernel's last program: two launches in flight on two
-    streams would share such a counter."""
+    streams would share such a counter.
+
+    ``KV_BAR`` (the launcher's rule, per head dim): a ring slot's K and V share one ``full`` and one
+    ``empty`` barrier, ``k_full[slot]`` and ``k_empty[slot]`` (``v_full`` and ``v_empty`` are still
+    allocated and initialised, but unused). Each mbarrier operation costs a warpgroup barrier in the
+    consumers (Triton's shared-memory barrier analysis puts a ``bar.sync`` between any two consecutive
+    mbarrier operations of a partition but a wait followed by a wait, and between one and a wgmma
+    next to it, but a wait followed by the wgmma), and flash-attn 3 releases its buffers without any;
+    the flag halves a tile's operations (``_tiles_s_ahead``: 5 barriers a pair of tiles instead of 7):
+    * The producer waits for the slot's ``k_empty`` phase, then issues one ``expect`` of both tiles'
+      bytes (an arrival: ``k_full``'s count stays 1) and K's and V's copies (one each, or one per
+      page each with ``PAGE``: pages past the table still count their bytes, TMA fills them) on
+      ``k_full[slot]``; the phase completes once both have landed.
+    * A consumer waits on ``k_full[slot]`` before the tile's S product, not again before its P V
+      product (V landed in the same phase; ``_zero_rows_from`` then writes V's rows past the keys,
+      as without the flag after V's own wait), and arrives on ``k_empty[slot]`` once, after the
+      tile's P V product has completed (``_consume_item``, ``_tiles_s_ahead``).
+    * Counts: ``k_full`` 1 (the producer's expect), ``k_empty`` 2 (one arrival per consumer
+      warpgroup per tile), as without the flag; each slot's phases alternate as before, one per
+      ring pass.
+    Why this cannot deadlock: in the K/V loop the producer waits only on ``k_empty`` phases, which
+    each warpgroup completes by its one arrival after the tile's P V product; that product needs
+    nothing of the producer past the tile's own ``k_full`` phase, already waited for before its S
+    product. A warpgroup waiting for copy x holds at most the slots of x - 1 (the plain loop: P V of
+    x - 1 is issued after that wait) or of x - 2 and x - 1 (``S_AHEAD``: P_{t-1} V_{t-1} runs while
+    it waits for K_{t+1}), and has released every copy before them. Take the warpgroup furthest
+    behind, waiting for copy x (the other one waits for a later copy, or for a Q phase, having
+    released every copy of its earlier items, or computes): both have released copy x - STAGES
+    when STAGES >= 2 in the plain loop and STAGES >= 3 with ``S_AHEAD`` (``_tiles_s_ahead``'s
+    static assertion), so the producer, issuing in ring order, gets past copy x. The Q barriers
+    are unchanged (an item's ``q_empty`` arrival needs no K/V copy of a later item). The price: a
+    slot's K is held one tile longer, until its P V product, so the producer runs about one tile
+    less ahead with the same ``STAGES``."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -725,9 +813,9 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(k_full.index(i), count=1)  # (with KV_BAR: the slot's K and V)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot (with KV_BAR: its K and V)
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
     geom = (CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits,
@@ -736,12 +824,12 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (0, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC, Q_BUFS, S_AHEAD)),
+                     DYNAMIC, Q_BUFS, S_AHEAD, KV_BAR)),
         (_consumer, (1, q_smem, k_ring, v_ring, bars, geom, o_desc, o_stage, Out, Lse, Sink, stride_ob, stride_os,
                      stride_oh, stride_osplit, stride_lb, stride_lh, stride_ls, stride_lsplit, scale_log2, slots, GROUP,
                      QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, HAS_SINK, PAGE, STAGES, TMA_STORE, Q_EARLY,
-                     DYNAMIC, Q_BUFS, S_AHEAD)),
+                     DYNAMIC, Q_BUFS, S_AHEAD, KV_BAR)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, bars, geom, BlockTable, stride_tb, table_len,
                      slots, Counter, GROUP, QPACK, IS_VARLEN, HAS_SEQUSED, MASK_LEFT, MASK_RIGHT, PAGE, STAGES,
-                     DYNAMIC, Q_BUFS)),
+                     DYNAMIC, Q_BUFS, KV_BAR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
