@@ -9,7 +9,7 @@ query heads per key/value head, K and V repeated to every head for cuDNN) and ca
 times without grad, the third inside the NVTX range ``profile`` (the first two compile and touch
 memory). ``compare`` reads the CSVs of ``--page raw --csv`` and prints, side by side, the metrics that say
 where a forward's time goes: duration and clocks, the tensor pipe's and the exp2 (XU) pipe's busy share,
-issue slots, the warp stall reasons, L2 hit rate and DRAM bytes. Of several kernels in a file (a counter's
+issue slots, instruction-cache requests and hit rate, the warp stall reasons, L2 hit rate and DRAM bytes. Of several kernels in a file (a counter's
 reset beside the attention kernel) it takes the longest.
 """
 
@@ -34,6 +34,8 @@ PATTERNS = (
     r"^sm__pipe_(fma|alu|xu|fp16)_cycles_active.*pct_of_peak_sustained_active$",
     r"^sm__inst_executed\.sum$",
     r"^smsp__issue_active\.avg\.pct_of_peak_sustained_active$",
+    r"^smsp__inst_executed\.sum$",
+    r"^sm__icc_request(s|_hit_rate)\.(sum|pct)$",
     r"^smsp__average_warp(s)?_(issue_stalled|latency_issue_stalled)_.*(_per_issue_active\.ratio)?$",
     r"^lts__t_sector(s)?_hit_rate\.pct$",
     r"^lts__t_sectors_srcunit_tex_op_read_lookup_hit\.sum$",
