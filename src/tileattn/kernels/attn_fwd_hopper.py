@@ -400,6 +400,11 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     04:07). The same operations on every value as ``_consume_item``'s loop (and one more: O, still
     zero, times tile n_lo's alpha, which is finite: +0), so bitwise the same outputs.
 
+    With an odd number of tiles after the first, the last pair is tile t alone: its second step is
+    skipped (a uniform branch), P_{t-1} V_{t-1} is waited for there, and S_t goes to the item's last
+    softmax below. One loop body serves both cases, so the item's code holds three softmax bodies, not
+    four (hdim 64 causal, compiled for sm_90: 6,272 -> 5,160 instructions; perf-notes 2026-12-02 10:00).
+
     ``KV_BAR``: a pair's mbarrier operations are 2 waits (k_full of t and t + 1) and 2 arrivals
     (k_empty of t - 1 and t, each after its P V product) instead of 4 and 4. Triton's shared-memory
     barrier analysis puts a warpgroup barrier (``bar.sync``) between two consecutive mbarrier
@@ -429,7 +434,7 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False)
     if not KV_BAR:  # (with it, the slot is released after P V)
         mbarrier.arrive(k_empty.index((n_lo + off) % STAGES), count=1)
-    for t in range(n_lo + 1, n_hi - 1, 2):  # tiles t and t + 1
+    for t in range(n_lo + 1, n_hi, 2):  # tiles t and t + 1 (in the last pair t alone when t + 1 is n_hi)
         s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t, off, full_lo,
                                                 full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
                                                 window_right, STAGES, MASK_LEFT, MASK_RIGHT)
@@ -439,29 +444,22 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_t done, P_{t-1} V_{t-1} may run on
         if not KV_BAR:
             mbarrier.arrive(k_empty.index((t + off) % STAGES), count=1)
-        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t + 1, off,
-                                                full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
-                                                window_right, STAGES, MASK_LEFT, MASK_RIGHT)
-        o = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok,))  # P_{t-1} V_{t-1} done, S_{t+1} may run on
-        mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, t + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_t V_t
-        s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
-        if not KV_BAR:
-            mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
-        mbarrier.arrive(v_empty.index((t + off) % STAGES), count=1)
-    if (n_hi - n_lo) % 2 == 0:  # one tile past the pairs: n_hi - 1
-        s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, n_hi - 1, off,
-                                                full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2, window_left,
-                                                window_right, STAGES, MASK_LEFT, MASK_RIGHT)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        v_tile = _wait_tile(v_full, v_ring, n_hi - 2 + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)
-        s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
-        if not KV_BAR:
-            mbarrier.arrive(k_empty.index((n_hi - 1 + off) % STAGES), count=1)
-        mbarrier.arrive(v_empty.index((n_hi - 2 + off) % STAGES), count=1)
+        if t + 1 < n_hi:
+            s_tok, p, m_i, l_i, alpha = _ahead_step(q_tile, s_zero, k_ring, bars, s, m_i, l_i, t + 1, off,
+                                                    full_lo, full_hi, q_pos, seqlen_k, diag_off, scale_log2,
+                                                    window_left, window_right, STAGES, MASK_LEFT, MASK_RIGHT)
+            o = warpgroup_mma_wait(num_outstanding=1, deps=(o_tok,))  # P_{t-1} V_{t-1} done, S_{t+1} may run on
+            mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            v_tile = _wait_tile(v_full, v_ring, t + off, STAGES, BLOCK_N, HEAD_DIM, not KV_BAR)
+            o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, o, is_async=True)  # P_t V_t
+            s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
+            if not KV_BAR:
+                mbarrier.arrive(k_empty.index((t + 1 + off) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index((t + off) % STAGES), count=1)
+        else:  # t is the item's last tile (below); S_t is done
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(v_empty.index((t - 1 + off) % STAGES), count=1)
     if Q_EARLY:  # the item's last S product has completed
         mbarrier.arrive(q_empty.index(q_buf), count=1)
     masked = (n_hi - 1 < full_lo) | (n_hi - 1 >= full_hi)
