@@ -2,7 +2,8 @@
 
 The fact behind ``KV_BAR`` (docs/perf-notes.md, 2026-12-02 08:40): the shared-memory barrier analysis
 (Membar) puts a ``bar.sync`` between two consecutive mbarrier operations of a program, even on different
-allocations, unless both are waits. Not a test of tileattn's kernels: a record of what this toolchain
+allocations, unless both are waits on different allocations (two waits on slots of one allocation, as a
+ring's full barriers are, get one too: perf-notes 10:40). Not a test of tileattn's kernels: a record of what this toolchain
 does, to re-run when Triton changes. Each line names a sequence and the PTX between the initialisations
 and the end (``bar.sync`` where the analysis put one).
 
@@ -23,7 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
 
 SEQUENCES = {0: "arrive(a)", 1: "wait(b), arrive(a)", 2: "arrive(a), wait(b)", 3: "arrive(a), arrive(b)",
-             4: "wait(a), wait(b)"}
+             4: "wait(a), wait(b)", 5: "wait(a0), wait(a1)", 6: "arrive(a0), arrive(a1)"}
 
 
 @gluon.jit
@@ -44,9 +45,15 @@ def _sequence(X, MODE: gl.constexpr):
     elif MODE == 3:
         mbarrier.arrive(a.index(0), count=1)
         mbarrier.arrive(b.index(1), count=1)
-    else:
+    elif MODE == 4:
         mbarrier.wait(a.index(0), 0)
         mbarrier.wait(b.index(1), 0)
+    elif MODE == 5:  # two slots of one allocation (a ring's full barriers)
+        mbarrier.wait(a.index(0), 0)
+        mbarrier.wait(a.index(1), 0)
+    else:
+        mbarrier.arrive(a.index(0), count=1)
+        mbarrier.arrive(a.index(1), count=1)
 
 
 def sequence_ptx(mode: int) -> list[str]:
