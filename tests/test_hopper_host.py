@@ -617,8 +617,8 @@ def test_loop_flags_follow_head_dims(fwd_launches, monkeypatch, flag, head_dim, 
 
 
 def test_kv_bar_head_dims():
-    """A ring slot's K and V share one pair of barriers (``KV_BAR``) at head dim 64 alone (not yet measured:
-    the SASS's count of warpgroup barriers), with 4 stages there; with ``S_AHEAD`` the kernel needs 3 stages
+    """A ring slot's K and V share one pair of barriers (``KV_BAR``) at head dim 64 alone (measured there:
+    docs/perf-notes.md, 2026-12-02 10:00), with 4 stages there; with ``S_AHEAD`` the kernel needs 3 stages
     (its static assertion), so every head dim with both flags has them."""
     assert hopper.KV_BAR_HEAD_DIMS == (64,)
     assert hopper.HOPPER_TILES[64][1] == 4

@@ -421,8 +421,6 @@ def _tiles_s_ahead(q_tile, s_zero, k_ring, v_ring, bars, q_buf, o, m_i, l_i, n_l
     gl.static_assert(STAGES >= 2, "S_AHEAD holds two V copies while it waits for the next K copy")
     gl.static_assert(STAGES >= 3 or not KV_BAR, "S_AHEAD with KV_BAR holds two slots while it waits for the next")
     q_empty, k_full, v_full, k_empty, v_empty = bars[1], bars[2], bars[3], bars[4], bars[5]
-    if KV_BAR:  # a V tile's release is its slot's: K and V together
-        v_empty = k_empty
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
     dtype: gl.constexpr = q_tile.dtype
@@ -494,15 +492,13 @@ def _consume_item(w, work, c, j, WG: gl.constexpr, q_smem, s_zero, k_ring, v_rin
     barriers. The warpgroup waits on ``k_full`` before a tile's S product, as without the flag, but not
     again before its P V product (the same phase brought V: ``_wait_tile`` without the wait), and
     arrives on ``k_empty`` once per tile, after its P V product has completed (where V's arrival is
-    without the flag: ``v_empty`` is bound to ``k_empty``), instead of once on K's after the S product
-    and once on V's after P V. In this loop a tile's mbarrier operations are then one wait and one
+    without the flag: the kernel's ``bars`` bind ``v_empty`` to ``k_empty``), instead of once on K's
+    after the S product and once on V's after P V. In this loop a tile's mbarrier operations are then one wait and one
     arrival (two and two without; compiled for sm_90, 2 warpgroup barriers a tile instead of 3). At
     the wait for K_t the slot of t - 1 is still held (its P V product is issued after that wait), as
     V's is without the flag: STAGES >= 2. The flag's branches are constexpr and leave the calls as
     they were, so without it the kernel compiles to the same machine code as before the flag."""
     q_full, q_empty, k_full, v_full, k_empty, v_empty = bars
-    if KV_BAR:  # a V tile's release is its slot's: K and V together
-        v_empty = k_empty
     window_left, window_right = geom[7], geom[8]
     HEAD_DIM: gl.constexpr = k_ring.type.shape[4]
     BLOCK_N: gl.constexpr = k_ring.type.shape[2]
@@ -815,7 +811,9 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot (with KV_BAR: its K and V)
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_full, q_empty, k_full, v_full, k_empty, v_empty)
+    # with KV_BAR a V tile's release is its slot's (K and V together): v_empty stands for k_empty in the
+    # consumers' arrivals; the producer's KV_BAR branch waits on k_empty alone
+    bars = (q_full, q_empty, k_full, v_full, k_empty, k_empty if KV_BAR else v_empty)
     geom = (CuSeqlensQ, CuSeqlensK, SequsedK, batch, nheads, seqlen_q, seqlen_k, window_left, window_right, num_splits,
             tiles_per_split, group)
     gl.warp_specialize([
