@@ -143,7 +143,9 @@ def worker(spec: dict) -> None:
             for t in (q, k, v):
                 t.requires_grad_(True)
             step = common.bench(lambda: call().backward(dout), device, grad_to_none=[q, k, v], cpu_reps=2)
-            row["bwd_tflops"] = common.bwd_tflops(flops, fwd, step)
+            # the step's own time too: bwd_tflops is empty where it did not exceed the forward's (two noisy
+            # timings on a busy CPU), while fwdbwd_ms shows the backward ran
+            row["fwdbwd_ms"], row["bwd_tflops"] = step, common.bwd_tflops(flops, fwd, step)
         print("AB " + json.dumps(row), flush=True)
 
 

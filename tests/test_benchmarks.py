@@ -113,7 +113,9 @@ def test_ab_times_gqa_and_packed_batches(tmp_path, shape):
     src = str(BENCHMARKS.parent / "src")
     rows = run_smoke("ab.py", tmp_path, extra=("--arm", f"a={src}", "--arm", f"b={src}", "--rounds", "1",
                                                "--backward", *shape))
-    assert len(rows) == 4 and all(float(r["fwd_tflops"]) > 0 and float(r["bwd_tflops"]) > 0 for r in rows)
+    # the backward ran in every row (its TFLOP/s, a difference of two CPU timings, may be empty on a busy host:
+    # 8 test workers beside it made it so on the GPU machine, 2026-12-02)
+    assert len(rows) == 4 and all(float(r["fwd_tflops"]) > 0 and float(r["fwdbwd_ms"]) > 0 for r in rows)
     if shape[0] == "--varlen":
         assert all(r["varlen"] == "True" and not r["anchor_fwd_tflops"] for r in rows)
     else:
